@@ -1,0 +1,1 @@
+"""Command implementations behind ``python -m mcore_ckpt_fixes``."""

@@ -1,0 +1,43 @@
+"""``status``: every registered fix, its state and why, for the Megatron-Core this process sees."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import warnings
+
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.engine.version import detect
+
+
+def _import_targets() -> None:
+    """Import the modules enabled fixes wait for, so their states resolve from 'pending'."""
+    for fix in ENGINE.discover().values():
+        if ENGINE.modes.get(fix.id, "off") == "off" or not fix.implemented:
+            continue
+        for target in fix.targets:
+            if target.module in sys.modules:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # Megatron's own import-time chatter
+                    importlib.import_module(target.module)
+            except Exception as exc:
+                ENGINE.mark_unimportable(fix.id, target.module, f"{type(exc).__name__}: {exc}")
+
+
+def run(as_json: bool, import_targets: bool) -> int:
+    if import_targets:
+        _import_targets()
+    rows = mcore_ckpt_fixes.report()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    info = detect()
+    print(f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__}; {info.describe()}")
+    width = max(len(r["id"]) for r in rows)
+    for r in rows:
+        print(f"  {r['id']:<{width}}  {r['state']:<14}  {r['reason']}")
+    return 0

@@ -1,0 +1,79 @@
+"""Parse the ``MCORE_CKPT_FIXES`` / ``MCORE_CKPT_FIX_<ID>`` environment flags.
+
+Parsing is strict on purpose: a typo in a flag silently leaving a fix off is exactly the kind of
+quiet checkpoint failure this package exists to prevent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+GLOBAL_VAR = "MCORE_CKPT_FIXES"
+PER_FIX_PREFIX = "MCORE_CKPT_FIX_"
+GLOBAL_VALUES = ("auto", "off")
+MODES = ("auto", "off", "on", "require")
+
+
+def env_var_for(fix_id: str) -> str:
+    """``gdn-fsdp-split`` -> ``MCORE_CKPT_FIX_GDN_FSDP_SPLIT``."""
+    return PER_FIX_PREFIX + fix_id.upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Flags:
+    modes: Mapping[str, str]  # fix id -> one of MODES
+
+    def mode(self, fix_id: str) -> str:
+        return self.modes[fix_id]
+
+
+def parse(fix_ids: Iterable[str], environ: Mapping[str, str] | None = None) -> Flags:
+    """Return the effective mode of every fix, or raise :class:`FlagError`."""
+    from .errors import FlagError
+
+    environ = os.environ if environ is None else environ
+    ids = list(fix_ids)
+    by_var = {env_var_for(i): i for i in ids}
+
+    raw_global = environ.get(GLOBAL_VAR, "auto").strip()
+    selected: set[str] | None = None  # None: every fix
+    default_mode = "auto"
+    if raw_global.lower() in GLOBAL_VALUES:
+        default_mode = raw_global.lower()
+    else:
+        names = [n.strip() for n in raw_global.split(",") if n.strip()]
+        unknown = [n for n in names if n not in ids]
+        if not names or unknown:
+            raise FlagError(
+                f"{GLOBAL_VAR}={raw_global!r}: unknown fix id {', '.join(unknown) or '(empty list)'}; "
+                f"accepted: auto, off, or a comma list of {', '.join(ids)}"
+            )
+        selected = set(names)
+
+    modes: dict[str, str] = {}
+    for fix_id in ids:
+        if default_mode == "off" or (selected is not None and fix_id not in selected):
+            modes[fix_id] = "off"
+        else:
+            modes[fix_id] = "auto"
+
+    for var in sorted(environ):
+        if not var.startswith(PER_FIX_PREFIX):
+            continue
+        if var not in by_var:
+            raise FlagError(
+                f"{var}: no fix with that id; accepted variables: {', '.join(sorted(by_var))}"
+            )
+        value = environ[var].strip().lower()
+        if value not in MODES:
+            raise FlagError(f"{var}={environ[var]!r}: accepted values: {', '.join(MODES)}")
+        fix_id = by_var[var]
+        # A per-fix flag refines the global one; it can switch a fix on even when the global list
+        # leaves it out, but never on when the global switch says everything is off.
+        if default_mode == "off" and value != "off":
+            continue
+        if value != "auto" or modes[fix_id] != "off":
+            modes[fix_id] = value
+    return Flags(modes)

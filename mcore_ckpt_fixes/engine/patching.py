@@ -1,0 +1,125 @@
+"""Patch, rebind and revert primitives.
+
+Rules every fix relies on:
+
+* A replacement is a plain module-level function (never a proxy object), so Megatron's async
+  checkpoint writer can pickle it by reference into ``spawn`` workers.
+* The object a replacement stands in for is kept in :data:`_ORIGINALS` for the life of the process,
+  even after ``revert()``: a caller that captured the replacement earlier still reaches the
+  original through :func:`original`.
+* A replacement carries ``__mcore_ckpt_fix__`` so a second apply can see it is already in place and
+  never stacks a second layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+_MISSING = object()
+MARK = "__mcore_ckpt_fix__"
+
+# (owner, attribute name) -> the object found there before the first patch.
+_ORIGINALS: Dict[Tuple[int, str], Any] = {}
+_OWNERS: Dict[int, Any] = {}  # keeps owners alive so their id() keys stay valid
+
+
+def mark(fix_id: str) -> Callable[[Callable], Callable]:
+    """Decorator for replacement functions: tag them with the fix that owns them."""
+
+    def deco(fn: Callable) -> Callable:
+        setattr(fn, MARK, fix_id)
+        return fn
+
+    return deco
+
+
+def is_replacement(obj: Any) -> bool:
+    return getattr(obj, MARK, None) is not None
+
+
+def _key(owner: Any, name: str) -> Tuple[int, str]:
+    return (id(owner), name)
+
+
+def original(owner: Any, name: str) -> Any:
+    """The object ``owner.name`` held before any fix replaced it.
+
+    ``owner`` may be a module name: it is imported first, which in a fresh ``spawn`` child also runs
+    the post-import hook that records the original.
+    """
+    if isinstance(owner, str):
+        owner = importlib.import_module(owner)
+    try:
+        return _ORIGINALS[_key(owner, name)]
+    except KeyError:
+        pass
+    current = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    if current is _MISSING:
+        current = getattr(owner, name)
+    if is_replacement(current):
+        raise RuntimeError(f"mcore_ckpt_fixes: original of {owner!r}.{name} was not recorded")
+    return current
+
+
+@dataclass
+class _Record:
+    owner: Any
+    name: str
+    before: Any  # _MISSING when the attribute was only inherited
+    after: Any
+
+
+class Patcher:
+    """Collects the changes one fix makes so that they can be undone exactly."""
+
+    def __init__(self, fix_id: str) -> None:
+        self.fix_id = fix_id
+        self.records: List[_Record] = []
+
+    def replace(self, owner: Any, name: str, new: Any) -> None:
+        """Set ``owner.name = new`` (owner: module or class), remembering what was there."""
+        before = owner.__dict__.get(name, _MISSING)
+        if before is not _MISSING and is_replacement(before):
+            return  # already ours: one layer only
+        if before is _MISSING and not hasattr(owner, name):
+            raise AttributeError(f"{getattr(owner, '__name__', owner)} has no attribute {name!r}")
+        key = _key(owner, name)
+        if key not in _ORIGINALS:
+            _ORIGINALS[key] = before if before is not _MISSING else getattr(owner, name)
+            _OWNERS[id(owner)] = owner
+        setattr(owner, name, new)
+        self.records.append(_Record(owner, name, before, new))
+
+    def replace_function(self, module: types.ModuleType, name: str, new: Callable) -> None:
+        """Replace a module-level function and every ``from module import name`` binding of it."""
+        old = module.__dict__.get(name, _MISSING)
+        self.replace(module, name, new)
+        if old is not _MISSING and not is_replacement(old):
+            self.rebind(old, new, skip=module)
+
+    def rebind(self, old: Any, new: Any, skip: Any = None) -> None:
+        """Point every module global that is ``old`` (by identity) at ``new``."""
+        for mod in list(sys.modules.values()):
+            if mod is None or mod is skip:
+                continue
+            namespace = getattr(mod, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if value is old:
+                    self.replace(mod, attr, new)
+
+    def revert(self) -> None:
+        for rec in reversed(self.records):
+            if rec.before is _MISSING:
+                try:
+                    delattr(rec.owner, rec.name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(rec.owner, rec.name, rec.before)
+        self.records.clear()

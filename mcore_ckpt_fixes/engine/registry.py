@@ -1,0 +1,269 @@
+"""Discover fixes, decide per target whether to patch, and keep the state ``status`` reports.
+
+States, per fix (aggregated over its targets):
+  applied         the bug was found and the patch is in place
+  pending         enabled, but a target module has not been imported yet (a post-import hook waits)
+  not-needed      this release does not have the bug (outside the affected range, or the probe says fixed)
+  not-applicable  the feature the fix patches is absent from this release (or Megatron-Core is absent)
+  disabled        switched off by a flag
+  failed          the probe or the patch raised; training goes on unpatched (MegatronPatchWarning)
+  unimplemented   registered, not written yet: nothing is patched
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+import sys
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from . import flags as _flags
+from . import version as _version
+from .errors import FixRequiredError, MegatronPatchWarning
+from .fix import Fix, Target
+from .patching import Patcher
+
+log = logging.getLogger("mcore_ckpt_fixes")
+
+FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
+STATES = (
+    "applied",
+    "pending",
+    "not-needed",
+    "not-applicable",
+    "disabled",
+    "failed",
+    "unimplemented",
+)
+# Which target state wins when a fix's targets disagree (most important first).
+_PRECEDENCE = ("failed", "applied", "pending", "not-needed", "not-applicable")
+
+
+@dataclass
+class TargetState:
+    state: str
+    reason: str
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.fixes: Dict[str, Fix] = {}
+        self.modes: Dict[str, str] = {}
+        self.targets: Dict[str, Dict[str, TargetState]] = {}
+        self.patchers: Dict[str, Patcher] = {}
+        self.hooked: set = set()  # module names with a wrapt hook registered (hooks cannot be removed)
+        self.active = False
+
+    # -- discovery -----------------------------------------------------------------------------
+    def discover(self) -> Dict[str, Fix]:
+        if not self.fixes:
+            pkg = importlib.import_module(FIXES_PACKAGE)
+            found = []
+            for info in pkgutil.iter_modules(pkg.__path__):
+                if info.name.startswith("_"):
+                    continue
+                mod = importlib.import_module(f"{FIXES_PACKAGE}.{info.name}")
+                fix = getattr(mod, "FIX", None)
+                if isinstance(fix, Fix):
+                    found.append(fix)
+            order = getattr(pkg, "ORDER", ())
+            found.sort(key=lambda f: (order.index(f.id) if f.id in order else len(order), f.id))
+            self.fixes = {f.id: f for f in found}
+        return self.fixes
+
+    # -- apply / revert ------------------------------------------------------------------------
+    def apply(self, environ=None) -> None:
+        with self.lock:
+            fixes = self.discover()
+            modes = _flags.parse(fixes, environ).modes
+            self.modes = dict(modes)
+            self.active = True
+            info = _version.detect()
+            required_failures = []
+            for fix in fixes.values():
+                mode = modes[fix.id]
+                states = self.targets.setdefault(fix.id, {})
+                if mode == "off":
+                    self._revert_fix(fix.id)
+                    self.targets[fix.id] = {}
+                    continue
+                if not fix.implemented:
+                    continue
+                for target in fix.targets:
+                    if target.module in sys.modules and sys.modules[target.module] is not None:
+                        self._apply_target(fix, target, sys.modules[target.module], info)
+                    elif mode == "require":
+                        try:
+                            importlib.import_module(target.module)  # runs the hook below
+                        except Exception as exc:
+                            states[target.module] = TargetState(
+                                "not-applicable", f"cannot import {target.module}: {exc}"
+                            )
+                        self._ensure_hook(target.module)
+                        if target.module in sys.modules:
+                            self._apply_target(fix, target, sys.modules[target.module], info)
+                    else:
+                        states.setdefault(
+                            target.module,
+                            TargetState("pending", f"waiting for `import {target.module}`"),
+                        )
+                        self._ensure_hook(target.module)
+                if mode == "require":
+                    state, reason = self.fix_state(fix.id)
+                    if state in ("failed", "not-applicable", "pending"):
+                        required_failures.append(f"{fix.id}: {state}: {reason}")
+            if required_failures:
+                raise FixRequiredError(
+                    "required fix could not be applied: " + "; ".join(required_failures)
+                )
+
+    def _ensure_hook(self, module_name: str) -> None:
+        if module_name in self.hooked:
+            return
+        import wrapt  # only now: ``import mcore_ckpt_fixes`` stays cheap when nothing is pending
+
+        wrapt.register_post_import_hook(_on_import, module_name)
+        self.hooked.add(module_name)
+
+    def on_import(self, module: types.ModuleType) -> None:
+        with self.lock:
+            if not self.active:
+                return
+            info = _version.detect()
+            for fix in self.fixes.values():
+                if self.modes.get(fix.id, "off") == "off" or not fix.implemented:
+                    continue
+                for target in fix.targets:
+                    if target.module == module.__name__:
+                        self._apply_target(fix, target, module, info)
+
+    def _apply_target(self, fix: Fix, target: Target, module, info) -> None:
+        states = self.targets.setdefault(fix.id, {})
+        current = states.get(target.module)
+        if current is not None and current.state in ("applied", "not-needed", "not-applicable", "failed"):
+            return  # decided already: apply twice leaves one layer
+        mode = self.modes[fix.id]
+        if info.version is not None and info.version not in fix.specifiers and mode != "on":
+            states[target.module] = TargetState(
+                "not-needed", f"Megatron-Core {info.version} is outside the affected range {fix.affected}"
+            )
+            return
+        try:
+            verdict, why = target.probe(module)
+        except Exception as exc:  # a probe must never break the user's import
+            self._fail(fix, target, f"probe raised {type(exc).__name__}: {exc}")
+            return
+        if verdict is None:
+            states[target.module] = TargetState("not-applicable", why)
+            return
+        if verdict is False:
+            states[target.module] = TargetState("not-needed", f"probe: {why}")
+            return
+        patcher = self.patchers.setdefault(fix.id, Patcher(fix.id))
+        mark = len(patcher.records)
+        try:
+            target.apply(module, patcher)
+        except Exception as exc:
+            # Undo the half-applied part of this target only.
+            partial = Patcher(fix.id)
+            partial.records = patcher.records[mark:]
+            del patcher.records[mark:]
+            partial.revert()
+            self._fail(fix, target, f"patch raised {type(exc).__name__}: {exc}")
+            return
+        note = "" if info.version is None or info.version in fix.specifiers else " (forced on outside the affected range)"
+        states[target.module] = TargetState("applied", f"{why}{note}")
+        log.info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
+
+    def mark_unimportable(self, fix_id: str, module_name: str, reason: str) -> None:
+        with self.lock:
+            self.targets.setdefault(fix_id, {})[module_name] = TargetState(
+                "not-applicable", f"cannot import {module_name}: {reason}"
+            )
+
+    def _fail(self, fix: Fix, target: Target, reason: str) -> None:
+        self.targets.setdefault(fix.id, {})[target.module] = TargetState("failed", reason)
+        if self.modes.get(fix.id) == "require":
+            raise FixRequiredError(f"required fix {fix.id} failed on {target.module}: {reason}")
+        warnings.warn(
+            f"mcore_ckpt_fixes: {fix.id} not applied to {target.module}: {reason}",
+            MegatronPatchWarning,
+            stacklevel=3,
+        )
+        log.warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
+
+    def _revert_fix(self, fix_id: str) -> None:
+        patcher = self.patchers.pop(fix_id, None)
+        if patcher is not None:
+            patcher.revert()
+
+    def revert(self, fix_ids: Optional[List[str]] = None) -> None:
+        with self.lock:
+            ids = list(self.discover()) if fix_ids is None else list(fix_ids)
+            for fix_id in ids:
+                self._revert_fix(fix_id)
+                self.targets[fix_id] = {}
+            if fix_ids is None:
+                self.active = False
+                self.modes = {}
+            else:
+                for fix_id in ids:
+                    self.modes[fix_id] = "off"
+
+    # -- report --------------------------------------------------------------------------------
+    def fix_state(self, fix_id: str):
+        fix = self.fixes[fix_id]
+        mode = self.modes.get(fix_id)
+        if not self.active or mode is None:
+            return "disabled", "mcore_ckpt_fixes.apply() has not run (or revert() was called)"
+        if mode == "off":
+            return "disabled", f"{_flags.env_var_for(fix_id)} / {_flags.GLOBAL_VAR} switch it off"
+        if not fix.implemented:
+            return "unimplemented", f"not implemented yet in this release of mcore-ckpt-fixes ({fix.tracking})"
+        states = self.targets.get(fix_id, {})
+        for wanted in _PRECEDENCE:
+            hits = [(m, s) for m, s in states.items() if s.state == wanted]
+            if hits:
+                return wanted, "; ".join(f"{m}: {s.reason}" for m, s in hits)
+        return "not-applicable", "no target module"
+
+    def report(self) -> List[dict]:
+        with self.lock:
+            fixes = self.discover()
+            info = _version.detect()
+            rows = []
+            for fix in fixes.values():
+                state, reason = self.fix_state(fix.id)
+                rows.append(
+                    {
+                        "id": fix.id,
+                        "state": state,
+                        "reason": reason,
+                        "mode": self.modes.get(fix.id, "off"),
+                        "summary": fix.summary,
+                        "affected": fix.affected,
+                        "upstream": list(fix.upstream),
+                        "targets": {
+                            m: {"state": s.state, "reason": s.reason}
+                            for m, s in self.targets.get(fix.id, {}).items()
+                        },
+                        "megatron_core": str(info.version) if info.version else None,
+                        "megatron_source": info.source,
+                        "megatron_path": info.path,
+                    }
+                )
+            return rows
+
+
+ENGINE = _Engine()
+
+
+def _on_import(module: types.ModuleType) -> None:
+    # Module-level so wrapt holds no closure over engine state; the engine decides what to do.
+    ENGINE.on_import(module)

@@ -1,0 +1,14 @@
+"""One module per fix, each defining ``FIX = Fix(...)``; the engine discovers them.
+
+ORDER only fixes the order ``status`` lists them in (DESIGN.md §1).
+"""
+
+ORDER = (
+    "tp-group",
+    "mimo-optimizer",
+    "gdn-fsdp-split",
+    "dtensor-placement",
+    "expert-keys",
+    "rng-under-ep",
+    "hsdp-ep-guard",
+)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Build (or reuse) the cached test environments, one per Megatron-Core release line.
+#
+# Layout, all under .envs/ (git-ignored, kept between runs):
+#   .envs/py3.11/            venv: torch 2.13.0 (CPU wheel on this machine) + test deps
+#   .envs/py3.12/            venv: torch from PyPI (runs on CPU) + test deps
+#   .envs/mcore-<release>/   megatron-core <release> installed --no-deps --target, put on PYTHONPATH
+# Sharing one interpreter venv between release lines keeps the 5.5 GB torch install to one per Python.
+#
+# Usage: tools/envs.sh [RELEASE ...]     (default: every release in tools/releases.txt)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+ENVS=${MCORE_CKPT_FIXES_ENVS:-$ROOT/.envs}
+mkdir -p "$ENVS"
+
+python_for() {  # release -> python minor version it needs
+  awk -v r="$1" '$1==r {print $2}' tools/releases.txt
+}
+
+pyenv_python() {  # 3.11 -> interpreter path (pyenv's versions first: its shims may refuse to run)
+  local want=$1 root cand
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  cand=$(ls -d "$root"/versions/"$want".* 2>/dev/null | sort -V | tail -1 || true)
+  if [ -n "$cand" ] && "$cand/bin/python" -c '' 2>/dev/null; then echo "$cand/bin/python"; return; fi
+  for cand in "python$want" python3; do
+    if "$cand" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$want'" 2>/dev/null; then
+      command -v "$cand"; return
+    fi
+  done
+  echo "envs.sh: no Python $want found (pyenv or PATH)" >&2; exit 2
+}
+
+base_env() {  # python minor -> builds venv once, stamps it
+  local py=$1 dir="$ENVS/py$1"
+  local stamp="$dir/.stamp-$(sha1sum tools/requirements-test.txt | cut -c1-12)"
+  if [ -f "$stamp" ]; then return; fi
+  echo "envs.sh: building $dir" >&2
+  rm -rf "$dir"
+  "$(pyenv_python "$py")" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip
+  local torch_req="torch"
+  # On 3.11 this machine carries a local CPU wheel of torch 2.13.0; naming it in the same command
+  # keeps pip from resolving a multi-GB CUDA build instead.
+  # PyPI's CUDA torch brings triton along; the CPU wheel does not, and 0.16's mamba_mixer imports it.
+  local extra=()
+  [ "$py" = "3.11" ] && torch_req="torch==2.13.0" && extra=(triton)
+  "$dir/bin/python" -m pip install -q "$torch_req" "${extra[@]}" -r tools/requirements-test.txt
+  touch "$stamp"
+}
+
+mcore_env() {  # release -> --target install of that megatron-core
+  local rel=$1 py dir="$ENVS/mcore-$1"
+  py=$(python_for "$rel")
+  [ -n "$py" ] || { echo "envs.sh: unknown release $rel (see tools/releases.txt)" >&2; exit 2; }
+  base_env "$py"
+  if [ -f "$dir/.stamp" ]; then return; fi
+  echo "envs.sh: installing megatron-core==$rel into $dir" >&2
+  rm -rf "$dir"
+  "$ENVS/py$py/bin/python" -m pip install -q --no-deps --target "$dir" "megatron-core==$rel"
+  touch "$dir/.stamp"
+}
+
+releases=("$@")
+[ ${#releases[@]} -gt 0 ] || mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
+for r in "${releases[@]}"; do mcore_env "$r"; done
