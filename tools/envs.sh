@@ -31,14 +31,18 @@ pyenv_python() {  # 3.11 -> interpreter path (pyenv's versions first: its shims 
   echo "envs.sh: no Python $want found (pyenv or PATH)" >&2; exit 2
 }
 
-base_env() {  # python minor -> builds venv once, stamps it
+base_env() {  # python minor -> venv built once; re-synced only when the requirements change
   local py=$1 dir="$ENVS/py$1"
   local stamp="$dir/.stamp-$(sha1sum tools/requirements-test.txt | cut -c1-12)"
   if [ -f "$stamp" ]; then return; fi
-  echo "envs.sh: building $dir" >&2
-  rm -rf "$dir"
-  "$(pyenv_python "$py")" -m venv "$dir"
-  "$dir/bin/python" -m pip install -q --upgrade pip
+  if [ ! -x "$dir/bin/python" ]; then
+    echo "envs.sh: building $dir" >&2
+    rm -rf "$dir"
+    "$(pyenv_python "$py")" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+  else
+    echo "envs.sh: updating $dir (requirements changed)" >&2
+  fi
   local torch_req="torch"
   # On 3.11 this machine carries a local CPU wheel of torch 2.13.0; naming it in the same command
   # keeps pip from resolving a multi-GB CUDA build instead.
@@ -46,6 +50,7 @@ base_env() {  # python minor -> builds venv once, stamps it
   local extra=()
   [ "$py" = "3.11" ] && torch_req="torch==2.13.0" && extra=(triton)
   "$dir/bin/python" -m pip install -q "$torch_req" "${extra[@]}" -r tools/requirements-test.txt
+  rm -f "$dir"/.stamp-*
   touch "$stamp"
 }
 

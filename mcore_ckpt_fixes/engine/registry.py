@@ -77,6 +77,12 @@ class _Engine:
             self.fixes = {f.id: f for f in found}
         return self.fixes
 
+    def register(self, fix: Fix) -> None:
+        """Add a fix not shipped in ``mcore_ckpt_fixes.fixes`` (tests, site-local fixes)."""
+        with self.lock:
+            self.discover()
+            self.fixes[fix.id] = fix
+
     # -- apply / revert ------------------------------------------------------------------------
     def apply(self, environ=None) -> None:
         with self.lock:

@@ -1,0 +1,158 @@
+"""Run a scenario on N ranks and hand every rank's result, or its traceback, back to the caller.
+
+Two ways to start ranks:
+
+* ``fork`` (CPU/gloo default): children of a parent that already imported torch and Megatron-Core,
+  so a fresh world costs milliseconds instead of the 15 s of importing everything again.
+* ``spawn``: fresh interpreters (``python -m mcore_ckpt_fixes.harness.worker``); required for CUDA,
+  whose state does not survive a fork.
+
+Every world has a deadline: when one rank dies before a collective the others would wait forever,
+so the parent kills the whole world at the deadline and reports which ranks never finished.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: Optional[str] = None  # traceback text, or why the rank produced nothing
+
+
+class WorldError(AssertionError):
+    """At least one rank failed, crashed or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(
+    scenario: str,
+    nproc: int,
+    kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    method: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> List[RankResult]:
+    """Run ``scenario`` ("package.module:function") on ``nproc`` ranks.
+
+    ``env`` is applied in every rank before anything runs there (fix flags go here).
+    """
+    method = method or ("spawn" if backend == "nccl" else "fork")
+    if method == "fork" and sys.platform == "win32":
+        method = "spawn"
+    workdir = tempfile.mkdtemp(prefix="mcore-ckpt-fixes-world-")
+    job = {
+        "scenario": scenario,
+        "nproc": nproc,
+        "kwargs": kwargs or {},
+        "backend": backend,
+        "init_method": f"tcp://127.0.0.1:{free_port()}",
+        "timeout": timeout,
+        "env": env or {},
+    }
+    job_path = os.path.join(workdir, "job.pkl")
+    with open(job_path, "wb") as f:
+        pickle.dump(job, f)
+    result_paths = [os.path.join(workdir, f"rank{r}.pkl") for r in range(nproc)]
+
+    if method == "fork":
+        from .worker import run_rank
+
+        pids = []
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:  # child: never returns into the caller's stack (pytest's, say)
+                code = 1
+                try:
+                    code = run_rank(job, rank, result_paths[rank])
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        alive = _wait_pids(pids, timeout)
+    else:
+        procs = []
+        for rank in range(nproc):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "mcore_ckpt_fixes.harness.worker", job_path, str(rank), result_paths[rank]],
+                    start_new_session=True,
+                )
+            )
+        alive = _wait_procs(procs, timeout)
+
+    results = []
+    for rank, path in enumerate(result_paths):
+        if rank in alive:
+            results.append(RankResult(rank, False, error=f"rank {rank} did not finish within {timeout:.0f} s (killed)"))
+            continue
+        try:
+            with open(path, "rb") as f:
+                status, payload = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            results.append(RankResult(rank, False, error=f"rank {rank} exited without a result (crashed?)"))
+            continue
+        results.append(RankResult(rank, status == "ok", payload if status == "ok" else None, None if status == "ok" else payload))
+    return results
+
+
+def _wait_pids(pids: List[int], timeout: float) -> set:
+    deadline = time.monotonic() + timeout
+    pending = {pid: rank for rank, pid in enumerate(pids)}
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del pending[pid]
+        time.sleep(0.02)
+    for pid in pending:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return set(pending.values())
+
+
+def _wait_procs(procs, timeout: float) -> set:
+    deadline = time.monotonic() + timeout
+    alive = set()
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            alive.add(rank)
+    for rank in alive:
+        try:
+            os.killpg(procs[rank].pid, signal.SIGKILL)
+        except OSError:
+            pass
+        procs[rank].wait()
+    return alive
+
+
+def values(results: List[RankResult]) -> List[Any]:
+    """Every rank's value, or a :class:`WorldError` naming each failed rank and its traceback."""
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise WorldError("\n".join(f"--- rank {r.rank} failed:\n{r.error}" for r in bad))
+    return [r.value for r in results]

@@ -1,0 +1,71 @@
+"""One rank of a world started by :mod:`mcore_ckpt_fixes.harness.launcher`."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import sys
+import traceback
+
+
+def _write(path: str, status: str, payload) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump((status, payload), f)
+    os.replace(tmp, path)  # the parent never reads half a result
+
+
+def run_rank(job: dict, rank: int, result_path: str) -> int:
+    try:
+        os.environ.update(job["env"])
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["nproc"]))
+        import torch
+        import torch.distributed as dist
+
+        if job["backend"] == "gloo":
+            from . import cpu_shims
+
+            cpu_shims.install()
+        else:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+
+        # Re-read the fix flags of this world: a forked rank inherits the parent's patch state.
+        import mcore_ckpt_fixes
+
+        mcore_ckpt_fixes.revert()
+        mcore_ckpt_fixes.apply()
+
+        dist.init_process_group(
+            job["backend"],
+            init_method=job["init_method"],
+            rank=rank,
+            world_size=job["nproc"],
+            timeout=datetime.timedelta(seconds=job["timeout"]),
+        )
+        module_name, func_name = job["scenario"].split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        try:
+            value = func(rank, job["nproc"], **job["kwargs"])
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        _write(result_path, "ok", value)
+        return 0
+    except BaseException:
+        _write(result_path, "error", traceback.format_exc())
+        return 1
+
+
+def main(argv=None) -> int:
+    job_path, rank, result_path = (argv or sys.argv[1:])[:3]
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    return run_rank(job, int(rank), result_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

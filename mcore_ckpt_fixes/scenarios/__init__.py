@@ -1,0 +1,1 @@
+"""Distributed scenarios run by :mod:`mcore_ckpt_fixes.harness` (one module per fix)."""

@@ -1,0 +1,316 @@
+"""tp-group round trips: models built from an explicit ``ProcessGroupCollection``, no ``parallel_state``.
+
+Each scenario runs on a gloo world of 2 ranks with TP=2 (``parallel_state`` stays uninitialised:
+that is the point), builds a model with rank-dependent deterministic values, saves it with
+``dist_checkpointing.save``, loads it into a fresh model with other values and requires every
+tensor to come back bit-exact on every rank.
+
+Stand-in for ``mamba_ssm`` (see :func:`install_mamba_ssm_stand_in`): ``MambaMixer`` needs the
+``mamba_ssm`` package, whose Triton/CUDA kernels cannot be installed on a CPU host. Megatron
+imports from it
+
+* ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``: the base class of ``ExtendedRMSNorm``, the
+  mixer's gated norm. Without the package Megatron substitutes a ``MagicMock`` and the norm (with
+  its TP-sharded ``weight``, one of the tensors this fix is about) would not be a real module. The
+  stand-in is a ``torch.nn.Module`` with the same constructor and a ``weight`` Parameter of size
+  ``hidden_size``: exactly what the checkpoint sees of the real one (forward is not provided).
+* the kernels ``mamba_chunk_scan_combined``, ``mamba_split_conv1d_scan_combined`` (and, in 0.16,
+  ``selective_state_update``): only called in forward, which a checkpoint round trip never runs;
+  they raise ``NotImplementedError``.
+
+``causal_conv1d`` is optional in every release (Megatron falls back to ``None``), so it is not
+stood in for. Everything else (MambaStack, MambaLayer, MambaMixer, ExtendedRMSNorm's
+``sharded_state_dict``, the parallel linears, RADIOViTModel, dist_checkpointing) is the real code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import traceback
+import types
+import zlib
+
+import torch
+import torch.distributed as dist
+
+TP = 2
+HIDDEN = 64
+SAVE_SEED, FRESH_SEED = 1234, 98765
+_LAYER, _MIXER = "megatron.core.ssm.mamba_layer", "megatron.core.ssm.mamba_mixer"
+_RADIO = "megatron.core.models.vision.radio"
+
+# -- mamba_ssm stand-in --------------------------------------------------------------------------
+
+
+class _GatedRMSNormStandIn(torch.nn.Module):
+    """``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``'s parameters, without its Triton forward."""
+
+    def __init__(
+        self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)  # as the real one
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("mamba_ssm stand-in: gated RMSNorm forward is not available")
+
+
+def _kernel(name):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"mamba_ssm stand-in: {name} is a CUDA kernel, not available here")
+
+    kernel.__name__ = name
+    return kernel
+
+
+def install_mamba_ssm_stand_in() -> None:
+    """Register the stand-in ``mamba_ssm`` in ``sys.modules``; must run before ``mamba_mixer`` imports."""
+    mixer = sys.modules.get("megatron.core.ssm.mamba_mixer")
+    if mixer is not None:
+        if not getattr(mixer, "HAVE_MAMBA_SSM", False):
+            # Its ExtendedRMSNorm is then a MagicMock. Reloading would replace the classes the fix
+            # engine patched, so refuse instead of testing something else than the fix.
+            raise RuntimeError(
+                "megatron.core.ssm.mamba_mixer was imported without mamba_ssm; call "
+                "mcore_ckpt_fixes.scenarios.tp_group.install_mamba_ssm_stand_in() before importing it"
+            )
+        return
+    if "mamba_ssm" in sys.modules:
+        return  # a real mamba_ssm (or our stand-in) is already there
+    try:
+        import mamba_ssm  # noqa: F401  (a real installation wins)
+
+        return
+    except ImportError:
+        pass
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"]
+    leaves = {
+        "mamba_ssm.ops.triton.layernorm_gated": {"RMSNorm": _GatedRMSNormStandIn},
+        "mamba_ssm.ops.triton.ssd_combined": {
+            n: _kernel(n) for n in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
+        },
+        "mamba_ssm.ops.triton.selective_state_update": {  # imported from here by 0.16 only
+            "selective_state_update": _kernel("selective_state_update")
+        },
+    }
+    for name in names + list(leaves):
+        mod = types.ModuleType(name, "stand-in registered by mcore_ckpt_fixes.scenarios.tp_group")
+        mod.__dict__.update(leaves.get(name, {}))
+        if name in names:
+            mod.__path__ = []  # a package, so the submodules resolve
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, mod)
+    sys.modules["mamba_ssm"].__version__ = "0.0.0"  # only read by forward-time version checks
+
+
+# -- groups, config ------------------------------------------------------------------------------
+
+
+def _process_groups():
+    """A ProcessGroupCollection for TP=2 over the whole world; every rank creates every group."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == TP, f"tp_group scenarios need world size {TP}, got {world}"
+    everyone = dist.new_group(list(range(world)))
+    # new_group is collective over the default group: all ranks build each singleton in order.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    return ProcessGroupCollection(
+        tp=everyone, tp_cp=everyone, mp=everyone, tp_dp_cp=everyone, cp=alone, pp=alone, dp=alone, dp_cp=alone
+    )
+
+
+def _config(**extra):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        tensor_model_parallel_size=TP,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        **extra,
+    )
+
+
+def _seed_rng(seed, tp_rank):
+    """Seed CPU and Megatron's (CUDA-named) tracker RNGs, as a training script would."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+
+
+# -- the round trip ------------------------------------------------------------------------------
+
+
+def _fill(model, seed, tp_rank):
+    """Give every tensor deterministic values: TP-sharded ones differ per TP rank, replicated ones
+    are equal on all TP ranks (as after a real init), and a different seed gives other values
+    everywhere, so the comparison after load cannot pass by accident (e.g. ``D`` starts as ones)."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            sharded = getattr(t, "tensor_model_parallel", False)
+            # crc32, not hash(): str hashes are salted per process, and ranks must agree.
+            key = f"{seed}/{tp_rank if sharded else -1}/{name}"
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
+
+def _tensors(model):
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _fix_states(patched, modules):
+    """The tp-group fix's state for the modules the model uses; asserts it matches ``patched`` so a
+    misconfigured world cannot pass as "fixed" (0.19 round trips exactly with or without it)."""
+    import mcore_ckpt_fixes
+
+    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == "tp-group")
+    states = {m: row["targets"].get(m, {}).get("state", row["state"]) for m in modules}
+    if patched:
+        assert all(s in ("applied", "not-needed") for s in states.values()), f"fix expected on: {states}"
+    else:
+        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
+    return states
+
+
+def _round_trip(build, ckpt_dir, pgs, patched, modules):
+    """build(seed) -> model. Returns the result dict of the scenario contract."""
+    from megatron.core import dist_checkpointing
+
+    tp_rank = pgs.tp.rank()
+    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None}
+    metadata = {"dp_cp_group": pgs.dp_cp}
+    phase = "build"
+    try:
+        saved = build(SAVE_SEED)
+        _fill(saved, SAVE_SEED, tp_rank)
+        phase = "precondition"  # after build: the fix's targets are probed when first imported
+        result["fix_state"] = _fix_states(patched, modules)
+        phase = "sharded_state_dict"
+        sd = saved.sharded_state_dict(prefix="", metadata=metadata)
+        phase = "save"
+        dist_checkpointing.save(sd, ckpt_dir)
+        dist.barrier()
+        phase = "build_fresh"
+        fresh = build(FRESH_SEED)
+        _fill(fresh, FRESH_SEED, tp_rank)
+        before, after = _tensors(saved), _tensors(fresh)
+        assert before.keys() == after.keys(), f"state_dict keys differ: {sorted(before.keys() ^ after.keys())}"
+        same = [k for k, t in before.items() if t.is_floating_point() and t.numel() and torch.equal(t, after[k])]
+        assert not same, f"fresh model already equals the saved one on {same}: the check would be vacuous"
+        phase = "load"
+        loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
+        fresh.load_state_dict(loaded)
+        phase = "compare"
+        after = _tensors(fresh)
+        result["n_tensors"] = len(before)
+        result["max_delta"] = {
+            k: float((before[k].double() - after[k].double()).abs().max()) if before[k].numel() else 0.0
+            for k in sorted(before)
+        }
+        bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
+        assert not bad, f"tensors differ after load: {bad}"
+    except Exception as exc:  # first failure, reported with its phase (ranks fail alike: no hang)
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["phase"] = phase
+        result["traceback"] = traceback.format_exc()
+    return result
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+    """A real two-layer MambaStack ("MM") with the local (non-TE) layer spec."""
+    install_mamba_ssm_stand_in()
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    pgs = _process_groups()
+    config = _config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    layer_spec = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(
+                module=MambaMixer,
+                submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+            ),
+            mamba_bda=get_bias_dropout_add,
+        ),
+    )
+    params = inspect.signature(MambaStack.__init__).parameters
+    # 0.16 allocates layers from a pattern; 0.17+ takes the allocated list.
+    if "hybrid_override_pattern" in params:
+        layers = {"hybrid_override_pattern": "MM"}
+    else:
+        layers = {"layer_type_list": ["M", "M"]}
+
+    def build(seed):
+        _seed_rng(seed, pgs.tp.rank())
+        # post_layer_norm=False: the stack's final norm is hard-wired to TENorm (TransformerEngine).
+        submodules = MambaStackSubmodules(mamba_layer=layer_spec)
+        return MambaStack(config, submodules, post_layer_norm=False, pg_collection=pgs, **layers)
+
+    return _round_trip(build, ckpt_dir, pgs, patched, (_LAYER, _MIXER))
+
+
+def mamba_mixer(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+    """A lone real MambaMixer with its gated RMSNorm (ExtendedRMSNorm)."""
+    install_mamba_ssm_stand_in()
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    pgs = _process_groups()
+    config = _config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+
+    def build(seed):
+        _seed_rng(seed, pgs.tp.rank())
+        return MambaMixer(config, sub, d_model=HIDDEN, rmsnorm=True, pg_collection=pgs)
+
+    return _round_trip(build, ckpt_dir, pgs, patched, (_MIXER,))
+
+
+def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+    """A small RADIOViTModel with the local ViT layer spec."""
+    from megatron.core.models.vision.radio import RADIOViTModel
+
+    try:
+        from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec as local_spec
+    except ImportError:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as local_spec
+
+    pgs = _process_groups()
+    config = _config()
+
+    def build(seed):
+        _seed_rng(seed, pgs.tp.rank())
+        return RADIOViTModel(
+            config,
+            local_spec(),
+            class_token_len=2,
+            patch_dim=4,
+            img_h=16,
+            img_w=16,
+            max_img_h=16,
+            max_img_w=16,
+            pg_collection=pgs,
+        )
+
+    return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,))

@@ -1,0 +1,57 @@
+"""Shared test helpers.
+
+Engine tests run Python in subprocesses (import order matters and must be fresh); round trips run
+in worlds of forked ranks (see mcore_ckpt_fixes.harness.launcher), started from this warm process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def megatron_version():
+    from mcore_ckpt_fixes.engine.version import detect
+
+    return detect().version
+
+
+def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this environment with clean fix flags."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    paths = [ROOT, TESTS, os.path.join(TESTS, "engine")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    full_env["PYTHONPATH"] = os.pathsep.join(paths)
+    full_env.update(env or {})
+    # A real script file, not -c: spawn children re-import __main__ to find functions defined there.
+    fd, script = tempfile.mkstemp(suffix=".py", prefix="mcore_ckpt_fixes_test_")
+    with os.fdopen(fd, "w") as f:
+        f.write(textwrap.dedent(code))
+    return subprocess.run(
+        [sys.executable, script],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_py(code: str, env: dict | None = None, timeout: float = 300) -> str:
+    proc = run_py(code, env, timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def mcore_version():
+    v = megatron_version()
+    if v is None:
+        pytest.fail("Megatron-Core is not importable in this environment (see tools/envs.sh)")
+    return v

@@ -1,0 +1,198 @@
+"""Import-order, rebind, reload, revert and spawn behaviour, each in a fresh interpreter.
+
+Two fixes are exercised on real Megatron-Core modules:
+* ``engine-probe`` (tests/engine/probe_fix.py): a counting wrapper around
+  ``megatron.core.utils.make_sharded_tensor_for_checkpoint``, applicable on every release;
+* ``tp-group`` where the release has the bug (0.16-0.18): its constructor wrapper must take hold.
+"""
+
+from conftest import check_py
+
+PRELUDE = """
+import importlib, sys, warnings
+import probe_fix
+"""
+
+
+def test_fixes_imported_first_then_megatron():
+    out = check_py(
+        PRELUDE
+        + """
+import mcore_ckpt_fixes
+probe_fix.register(); mcore_ckpt_fixes.apply()
+assert 'torch' not in sys.modules and 'megatron' not in sys.modules
+state = {r['id']: r['state'] for r in mcore_ckpt_fixes.report()}
+assert state['engine-probe'] == 'pending', state
+import megatron.core.utils as mu
+import megatron.core.transformer.utils as tu
+assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
+assert tu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
+print({r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['engine-probe'])
+"""
+    )
+    assert out.strip() == "applied"
+
+
+def test_megatron_imported_first_and_from_import_rebound():
+    check_py(
+        """
+import sys
+import megatron.core.utils as mu
+from megatron.core.utils import make_sharded_tensor_for_checkpoint   # bound before the fix
+keep = {'early': make_sharded_tensor_for_checkpoint}
+import megatron.core.transformer.utils as tu
+mod = type(sys)('user_module'); mod.helper = keep['early']; sys.modules['user_module'] = mod
+import probe_fix, mcore_ckpt_fixes
+probe_fix.register(); mcore_ckpt_fixes.apply()
+new = probe_fix.counting_make_sharded_tensor
+assert mu.make_sharded_tensor_for_checkpoint is new
+assert tu.make_sharded_tensor_for_checkpoint is new, 'a Megatron module that did from-import'
+assert sys.modules['user_module'].helper is new, 'a user module that did from-import'
+assert make_sharded_tensor_for_checkpoint is new, 'this script did from-import too'
+mcore_ckpt_fixes.revert()
+early = keep['early']
+assert mu.make_sharded_tensor_for_checkpoint is early
+assert tu.make_sharded_tensor_for_checkpoint is early
+assert sys.modules['user_module'].helper is early
+assert make_sharded_tensor_for_checkpoint is early
+"""
+    )
+
+
+def test_apply_twice_and_reload_leave_one_layer():
+    check_py(
+        PRELUDE
+        + """
+import mcore_ckpt_fixes
+import megatron.core.utils as mu
+# Held in a dict: the engine rebinds module globals by identity, this script's own included.
+keep = {'orig': mu.make_sharded_tensor_for_checkpoint}
+probe_fix.register()
+for _ in range(3):
+    mcore_ckpt_fixes.apply()
+importlib.reload(mcore_ckpt_fixes)
+probe_fix.register(); mcore_ckpt_fixes.apply()
+import torch
+t = torch.zeros(2)
+probe_fix.CALLS.clear()
+try:  # without parallel_state the original asserts: reaching that assertion proves it was called
+    mu.make_sharded_tensor_for_checkpoint(t, 'k', replica_id=0)
+except AssertionError as exc:
+    assert 'not initialized' in str(exc), exc
+assert probe_fix.CALLS == ['k'], probe_fix.CALLS        # one layer: one call recorded
+from mcore_ckpt_fixes.engine.patching import original
+assert original(mu, 'make_sharded_tensor_for_checkpoint') is keep['orig']
+mcore_ckpt_fixes.revert()
+assert mu.make_sharded_tensor_for_checkpoint is keep['orig']
+"""
+    )
+
+
+def test_revert_then_apply_again():
+    check_py(
+        PRELUDE
+        + """
+import mcore_ckpt_fixes
+probe_fix.register(); mcore_ckpt_fixes.apply()
+import megatron.core.utils as mu
+keep = {'orig': mcore_ckpt_fixes.engine.patching.original(mu, 'make_sharded_tensor_for_checkpoint')}
+mcore_ckpt_fixes.revert()
+assert mu.make_sharded_tensor_for_checkpoint is keep['orig']
+assert {r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['engine-probe'] == 'disabled'
+mcore_ckpt_fixes.apply()
+assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
+"""
+    )
+
+
+def test_spawn_child_calls_fixed_function():
+    out = check_py(
+        PRELUDE
+        + """
+import multiprocessing as mp
+import mcore_ckpt_fixes
+probe_fix.register(); mcore_ckpt_fixes.apply()
+import megatron.core.utils as mu
+
+def main():
+    ctx = mp.get_context('spawn')
+    with ctx.Pool(1) as pool:
+        # The replacement itself travels by reference, as Megatron's async writer pickles functions.
+        fn = mu.make_sharded_tensor_for_checkpoint
+        assert fn is probe_fix.counting_make_sharded_tensor
+        print(pool.apply(child, (fn,)))
+
+def child(fn):
+    import torch, probe_fix
+    try:  # the original asserts without parallel_state: reaching it proves the chain works
+        fn(torch.ones(3), 'spawned', replica_id=0)
+        reached = 'no assertion'
+    except AssertionError as exc:
+        reached = 'original reached' if 'not initialized' in str(exc) else repr(exc)
+    return (reached, probe_fix.CALLS)
+
+if __name__ == '__main__':
+    main()
+"""
+    )
+    assert "('original reached', ['spawned'])" in out, out
+
+
+def test_tp_group_takes_hold_in_either_order(mcore_version):
+    """On releases with the bug, the real fix lands whether Megatron comes first or second."""
+    from mcore_ckpt_fixes.fixes.tp_group import FIX
+
+    expect = "applied" if mcore_version in FIX.specifiers else "not-needed"
+    for order in ("fixes-first", "megatron-first"):
+        code = """
+import sys
+if ORDER == 'megatron-first':
+    import megatron.core.ssm.mamba_layer
+import mcore_ckpt_fixes
+import megatron.core.ssm.mamba_layer as ml
+from mcore_ckpt_fixes.fixes import tp_group
+state = {r['id']: r for r in mcore_ckpt_fixes.report()}['tp-group']
+patched = ml.MambaLayer.__dict__['__init__'] is tp_group.mamba_layer_init
+print(state['targets']['megatron.core.ssm.mamba_layer']['state'], patched)
+""".replace("ORDER", repr(order))
+        out = check_py(code).split()
+        assert out == [expect, str(expect == "applied")], (order, out)
+
+
+def test_tp_group_fixed_constructor_in_spawn_child(mcore_version):
+    from mcore_ckpt_fixes.fixes.tp_group import FIX
+
+    out = check_py(
+        """
+import multiprocessing as mp, types
+import mcore_ckpt_fixes
+from megatron.core.ssm.mamba_layer import MambaLayer
+
+def child(cls):
+    import types
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    pg = types.SimpleNamespace(tp='the-tp-group')
+    layer = cls(cfg, MambaLayerSubmodules(norm=IdentityOp, mixer=IdentityOp, mamba_bda=IdentityOp), pg_collection=pg)
+    return getattr(layer, 'tp_group', None)
+
+if __name__ == '__main__':
+    with mp.get_context('spawn').Pool(1) as pool:
+        print(pool.apply(child, (MambaLayer,)))
+"""
+    )
+    # Fixed (or never buggy): the child's MambaLayer keeps the group it was given.
+    assert out.strip() == "the-tp-group", out
+
+
+def test_importing_fixes_alone_imports_neither_torch_nor_megatron():
+    out = check_py(
+        """
+import sys, mcore_ckpt_fixes
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy'))
+print(heavy)
+"""
+    )
+    assert out.strip() == "[]"
