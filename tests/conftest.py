@@ -43,6 +43,20 @@ def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subproce
     )
 
 
+def run_cli(args: list, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    full_env["PYTHONPATH"] = os.pathsep.join(paths)
+    env = dict(env or {})
+    if "PYTHONPATH" in env:  # prepend: the caller's entries must shadow the environment's
+        full_env["PYTHONPATH"] = os.pathsep.join([env.pop("PYTHONPATH"), full_env["PYTHONPATH"]])
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_ckpt_fixes", *args], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def check_py(code: str, env: dict | None = None, timeout: float = 300) -> str:
     proc = run_py(code, env, timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

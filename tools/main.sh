@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install mcore-ckpt-fixes beside a default Megatron-Core
+# (0.16.1 on Python 3.11 with the CPU torch wheel: the quickest stack to build here) and report
+# which fixes this stack needs and what state they are in.
+#   tools/main.sh [RELEASE]       e.g. tools/main.sh 0.18.2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+ENVS=${MCORE_CKPT_FIXES_ENVS:-$ROOT/.envs}
+rel=${1:-0.16.1}
+tools/envs.sh "$rel"
+py=$(awk -v r="$rel" '$1==r {print $2}' tools/releases.txt)
+PYTHONPATH="$ENVS/mcore-$rel:$ROOT" "$ENVS/py$py/bin/python" -m mcore_ckpt_fixes status

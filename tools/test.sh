@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run the test suite on every Megatron-Core release line (or the ones named), building the cached
+# environments first. Exit status is non-zero if any line fails.
+#
+#   tools/test.sh                 # whole matrix: 0.16.1 0.17.1 0.18.2 0.19.2
+#   tools/test.sh 0.18.2          # one release line
+#   tools/test.sh 0.16.1 -- -k tp_group   # extra pytest arguments after --
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+ENVS=${MCORE_CKPT_FIXES_ENVS:-$ROOT/.envs}
+
+releases=(); pytest_args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; pytest_args=("$@"); break; fi
+  releases+=("$1"); shift
+done
+[ ${#releases[@]} -gt 0 ] || mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
+
+tools/envs.sh "${releases[@]}" || { echo "test.sh: building environments failed" >&2; exit 2; }
+
+failed=()
+for rel in "${releases[@]}"; do
+  py=$(awk -v r="$rel" '$1==r {print $2}' tools/releases.txt)
+  echo "=== Megatron-Core $rel (Python $py) ==="
+  start=$(date +%s)
+  PYTHONPATH="$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 \
+    "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider "${pytest_args[@]}"
+  rc=$?
+  echo "=== Megatron-Core $rel: exit $rc in $(( $(date +%s) - start )) s ==="
+  [ $rc -eq 0 ] || failed+=("$rel")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "test.sh: FAILED on ${failed[*]}" >&2
+  exit 1
+fi
+echo "test.sh: all release lines passed (${releases[*]})"
