@@ -10,8 +10,6 @@ ids; ``MCORE_CKPT_FIX_<ID>`` = auto | off | on | require.
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional
-
 from .engine.errors import FixRequiredError, FlagError, MegatronPatchWarning
 from .engine.registry import ENGINE as _ENGINE
 
@@ -27,17 +25,17 @@ __all__ = [
 ]
 
 
-def apply(environ: Optional[Mapping[str, str]] = None) -> None:
+def apply(environ=None) -> None:
     """(Re)read the flags and apply every enabled fix; safe to call any number of times."""
     _ENGINE.apply(environ)
 
 
-def revert(fix_ids: Optional[List[str]] = None) -> None:
+def revert(fix_ids=None) -> None:
     """Restore the exact original Megatron objects (all fixes, or the ids given)."""
     _ENGINE.revert(fix_ids)
 
 
-def report() -> List[dict]:
+def report() -> list:
     """One dict per registered fix: ``id``, ``state``, ``reason`` and details (see ``status``)."""
     return _ENGINE.report()
 

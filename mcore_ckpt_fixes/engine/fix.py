@@ -2,44 +2,56 @@
 
 from __future__ import annotations
 
-import types
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
-
-from packaging.specifiers import SpecifierSet
-
-from .patching import Patcher
-
-# A probe looks at the imported target module and answers (verdict, reason):
-# True: the bug is there; False: fixed upstream; None: the feature it patches is absent.
-Probe = Callable[[types.ModuleType], Tuple[Optional[bool], str]]
-Apply = Callable[[types.ModuleType, Patcher], None]
+# Plain classes, no dataclasses/typing: ``import mcore_ckpt_fixes`` must stay far below 1 % of
+# ``import megatron.core``, and those two modules alone cost more than the rest of the package.
 
 
-@dataclass(frozen=True)
 class Target:
-    """One module a fix patches, applied when that module is (or already was) imported."""
+    """One module a fix patches, applied when that module is (or already was) imported.
 
-    module: str
-    probe: Probe
-    apply: Apply
-    # Modules known to bind the patched names with ``from module import name``; the engine rebinds
-    # by identity in every loaded module anyway, these are listed for reviewers and tests.
-    alias_sites: Tuple[str, ...] = ()
+    probe(module) -> (verdict, reason): True, the bug is there; False, fixed upstream; None, the
+    feature it patches is absent. apply(module, patcher) makes the changes through the patcher.
+    alias_sites: modules known to bind the patched names with ``from module import name`` (the
+    engine rebinds by identity in every loaded module anyway; listed for reviewers and tests).
+    """
+
+    __slots__ = ("module", "probe", "apply", "alias_sites")
+
+    def __init__(self, module, probe, apply, alias_sites=()):
+        self.module = module
+        self.probe = probe
+        self.apply = apply
+        self.alias_sites = tuple(alias_sites)
+
+    def __repr__(self):
+        return f"Target({self.module!r})"
 
 
-@dataclass(frozen=True)
 class Fix:
-    id: str
-    summary: str
-    affected: str  # PEP 440 specifiers, prereleases included
-    upstream: Tuple[str, ...] = ()
-    targets: Tuple[Target, ...] = ()
-    # Registered but not written yet: status says so and nothing is patched.
-    implemented: bool = True
-    tracking: str = ""
-    extra: dict = field(default_factory=dict)
+    """A fix's declaration. ``affected``: PEP 440 specifiers, prereleases included.
+
+    ``implemented=False``: registered but not written yet; status says so and nothing is patched.
+    """
+
+    __slots__ = ("id", "summary", "affected", "upstream", "targets", "implemented", "tracking", "_spec")
+
+    def __init__(self, id, summary, affected, upstream=(), targets=(), implemented=True, tracking=""):
+        self.id = id
+        self.summary = summary
+        self.affected = affected
+        self.upstream = tuple(upstream)
+        self.targets = tuple(targets)
+        self.implemented = implemented
+        self.tracking = tracking
+        self._spec = None
 
     @property
-    def specifiers(self) -> SpecifierSet:
-        return SpecifierSet(self.affected, prereleases=True)
+    def specifiers(self):
+        if self._spec is None:
+            from packaging.specifiers import SpecifierSet
+
+            self._spec = SpecifierSet(self.affected, prereleases=True)
+        return self._spec
+
+    def __repr__(self):
+        return f"Fix({self.id!r})"

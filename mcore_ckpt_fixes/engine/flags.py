@@ -7,8 +7,6 @@ quiet checkpoint failure this package exists to prevent.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 GLOBAL_VAR = "MCORE_CKPT_FIXES"
 PER_FIX_PREFIX = "MCORE_CKPT_FIX_"
@@ -21,15 +19,17 @@ def env_var_for(fix_id: str) -> str:
     return PER_FIX_PREFIX + fix_id.upper().replace("-", "_")
 
 
-@dataclass(frozen=True)
 class Flags:
-    modes: Mapping[str, str]  # fix id -> one of MODES
+    __slots__ = ("modes",)
+
+    def __init__(self, modes):
+        self.modes = modes  # fix id -> one of MODES
 
     def mode(self, fix_id: str) -> str:
         return self.modes[fix_id]
 
 
-def parse(fix_ids: Iterable[str], environ: Mapping[str, str] | None = None) -> Flags:
+def parse(fix_ids, environ=None) -> Flags:
     """Return the effective mode of every fix, or raise :class:`FlagError`."""
     from .errors import FlagError
 

@@ -15,37 +15,34 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
 
 _MISSING = object()
 MARK = "__mcore_ckpt_fix__"
 
 # (owner, attribute name) -> the object found there before the first patch.
-_ORIGINALS: Dict[Tuple[int, str], Any] = {}
-_OWNERS: Dict[int, Any] = {}  # keeps owners alive so their id() keys stay valid
+_ORIGINALS = {}  # (id(owner), name) -> original object
+_OWNERS = {}  # keeps owners alive so their id() keys stay valid
 
 
-def mark(fix_id: str) -> Callable[[Callable], Callable]:
+def mark(fix_id: str):
     """Decorator for replacement functions: tag them with the fix that owns them."""
 
-    def deco(fn: Callable) -> Callable:
+    def deco(fn):
         setattr(fn, MARK, fix_id)
         return fn
 
     return deco
 
 
-def is_replacement(obj: Any) -> bool:
+def is_replacement(obj) -> bool:
     return getattr(obj, MARK, None) is not None
 
 
-def _key(owner: Any, name: str) -> Tuple[int, str]:
+def _key(owner, name: str):
     return (id(owner), name)
 
 
-def original(owner: Any, name: str) -> Any:
+def original(owner, name: str):
     """The object ``owner.name`` held before any fix replaced it.
 
     ``owner`` may be a module name: it is imported first, which in a fresh ``spawn`` child also runs
@@ -65,12 +62,14 @@ def original(owner: Any, name: str) -> Any:
     return current
 
 
-@dataclass
 class _Record:
-    owner: Any
-    name: str
-    before: Any  # _MISSING when the attribute was only inherited
-    after: Any
+    __slots__ = ("owner", "name", "before", "after")
+
+    def __init__(self, owner, name, before, after):
+        self.owner = owner
+        self.name = name
+        self.before = before  # _MISSING when the attribute was only inherited
+        self.after = after
 
 
 class Patcher:
@@ -78,9 +77,9 @@ class Patcher:
 
     def __init__(self, fix_id: str) -> None:
         self.fix_id = fix_id
-        self.records: List[_Record] = []
+        self.records = []
 
-    def replace(self, owner: Any, name: str, new: Any) -> None:
+    def replace(self, owner, name: str, new) -> None:
         """Set ``owner.name = new`` (owner: module or class), remembering what was there."""
         before = owner.__dict__.get(name, _MISSING)
         if before is not _MISSING and is_replacement(before):
@@ -94,14 +93,14 @@ class Patcher:
         setattr(owner, name, new)
         self.records.append(_Record(owner, name, before, new))
 
-    def replace_function(self, module: types.ModuleType, name: str, new: Callable) -> None:
+    def replace_function(self, module, name: str, new) -> None:
         """Replace a module-level function and every ``from module import name`` binding of it."""
         old = module.__dict__.get(name, _MISSING)
         self.replace(module, name, new)
         if old is not _MISSING and not is_replacement(old):
             self.rebind(old, new, skip=module)
 
-    def rebind(self, old: Any, new: Any, skip: Any = None) -> None:
+    def rebind(self, old, new, skip=None) -> None:
         """Point every module global that is ``old`` (by identity) at ``new``."""
         for mod in list(sys.modules.values()):
             if mod is None or mod is skip:

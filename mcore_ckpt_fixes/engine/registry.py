@@ -13,14 +13,8 @@ States, per fix (aggregated over its targets):
 from __future__ import annotations
 
 import importlib
-import logging
-import pkgutil
 import sys
 import threading
-import types
-import warnings
-from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 from . import flags as _flags
 from . import version as _version
@@ -28,7 +22,11 @@ from .errors import FixRequiredError, MegatronPatchWarning
 from .fix import Fix, Target
 from .patching import Patcher
 
-log = logging.getLogger("mcore_ckpt_fixes")
+
+def _log():
+    import logging  # lazily: logging alone costs ~10 % of this package's import budget
+
+    return logging.getLogger("mcore_ckpt_fixes")
 
 FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
 STATES = (
@@ -44,31 +42,31 @@ STATES = (
 _PRECEDENCE = ("failed", "applied", "pending", "not-needed", "not-applicable")
 
 
-@dataclass
 class TargetState:
-    state: str
-    reason: str
+    __slots__ = ("state", "reason")
+
+    def __init__(self, state: str, reason: str):
+        self.state = state
+        self.reason = reason
 
 
 class _Engine:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.fixes: Dict[str, Fix] = {}
-        self.modes: Dict[str, str] = {}
-        self.targets: Dict[str, Dict[str, TargetState]] = {}
-        self.patchers: Dict[str, Patcher] = {}
-        self.hooked: set = set()  # module names with a wrapt hook registered (hooks cannot be removed)
+        self.fixes = {}  # id -> Fix
+        self.modes = {}  # id -> mode
+        self.targets = {}  # id -> {module name -> TargetState}
+        self.patchers = {}  # id -> Patcher
+        self.hooked: set = set()  # module names with a post-import hook (kept: on_import checks state)
         self.active = False
 
     # -- discovery -----------------------------------------------------------------------------
-    def discover(self) -> Dict[str, Fix]:
+    def discover(self):
         if not self.fixes:
             pkg = importlib.import_module(FIXES_PACKAGE)
             found = []
-            for info in pkgutil.iter_modules(pkg.__path__):
-                if info.name.startswith("_"):
-                    continue
-                mod = importlib.import_module(f"{FIXES_PACKAGE}.{info.name}")
+            for name in _fix_module_names(pkg.__path__):
+                mod = importlib.import_module(f"{FIXES_PACKAGE}.{name}")
                 fix = getattr(mod, "FIX", None)
                 if isinstance(fix, Fix):
                     found.append(fix)
@@ -90,7 +88,7 @@ class _Engine:
             modes = _flags.parse(fixes, environ).modes
             self.modes = dict(modes)
             self.active = True
-            info = _version.detect()
+            info = _LazyInfo()
             required_failures = []
             for fix in fixes.values():
                 mode = modes[fix.id]
@@ -132,16 +130,16 @@ class _Engine:
     def _ensure_hook(self, module_name: str) -> None:
         if module_name in self.hooked:
             return
-        import wrapt  # only now: ``import mcore_ckpt_fixes`` stays cheap when nothing is pending
+        from . import hooks
 
-        wrapt.register_post_import_hook(_on_import, module_name)
         self.hooked.add(module_name)
+        hooks.register(module_name, _on_import)
 
     def on_import(self, module: types.ModuleType) -> None:
         with self.lock:
             if not self.active:
                 return
-            info = _version.detect()
+            info = _LazyInfo()
             for fix in self.fixes.values():
                 if self.modes.get(fix.id, "off") == "off" or not fix.implemented:
                     continue
@@ -185,7 +183,7 @@ class _Engine:
             return
         note = "" if info.version is None or info.version in fix.specifiers else " (forced on outside the affected range)"
         states[target.module] = TargetState("applied", f"{why}{note}")
-        log.info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
+        _log().info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
 
     def mark_unimportable(self, fix_id: str, module_name: str, reason: str) -> None:
         with self.lock:
@@ -197,19 +195,21 @@ class _Engine:
         self.targets.setdefault(fix.id, {})[target.module] = TargetState("failed", reason)
         if self.modes.get(fix.id) == "require":
             raise FixRequiredError(f"required fix {fix.id} failed on {target.module}: {reason}")
+        import warnings
+
         warnings.warn(
             f"mcore_ckpt_fixes: {fix.id} not applied to {target.module}: {reason}",
             MegatronPatchWarning,
             stacklevel=3,
         )
-        log.warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
+        _log().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
 
     def _revert_fix(self, fix_id: str) -> None:
         patcher = self.patchers.pop(fix_id, None)
         if patcher is not None:
             patcher.revert()
 
-    def revert(self, fix_ids: Optional[List[str]] = None) -> None:
+    def revert(self, fix_ids=None) -> None:
         with self.lock:
             ids = list(self.discover()) if fix_ids is None else list(fix_ids)
             for fix_id in ids:
@@ -239,7 +239,7 @@ class _Engine:
                 return wanted, "; ".join(f"{m}: {s.reason}" for m, s in hits)
         return "not-applicable", "no target module"
 
-    def report(self) -> List[dict]:
+    def report(self):
         with self.lock:
             fixes = self.discover()
             info = _version.detect()
@@ -265,6 +265,28 @@ class _Engine:
                     }
                 )
             return rows
+
+
+class _LazyInfo:
+    """The Megatron-Core version, detected only when a target is actually reached."""
+
+    def __getattr__(self, name):
+        info = _version.detect()
+        self.version, self.source, self.path = info.version, info.source, info.path
+        return getattr(info, name)
+
+
+def _fix_module_names(paths):
+    # os.listdir instead of pkgutil: the fixes are plain modules of one directory.
+    import os
+
+    names = set()
+    for path in paths:
+        for entry in os.listdir(path):
+            stem, ext = os.path.splitext(entry)
+            if ext == ".py" and not stem.startswith("_"):
+                names.add(stem)
+    return sorted(names)
 
 
 ENGINE = _Engine()

@@ -11,17 +11,15 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Optional
-
-from packaging.version import InvalidVersion, Version
 
 
-@dataclass(frozen=True)
 class MegatronInfo:
-    version: Optional[Version]
-    source: str  # "wheel", "checkout" or "absent"
-    path: Optional[str]
+    __slots__ = ("version", "source", "path")
+
+    def __init__(self, version, source, path):
+        self.version = version  # packaging Version or None
+        self.source = source  # "wheel", "checkout" or "absent"
+        self.path = path
 
     def describe(self) -> str:
         if self.source == "absent":
@@ -32,12 +30,14 @@ class MegatronInfo:
 _FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
 
 
-def _read_package_info(core_dir: str) -> Optional[Version]:
+def _read_package_info(core_dir: str):
     try:
         with open(os.path.join(core_dir, "package_info.py"), encoding="utf-8") as f:
             text = f.read()
     except OSError:
         return None
+    from packaging.version import InvalidVersion, Version
+
     fields = {k: v.strip("'\"") for k, v in _FIELD.findall(text)}
     try:
         return Version(

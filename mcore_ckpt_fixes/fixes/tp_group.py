@@ -26,10 +26,8 @@ classic way gets the same groups ``parallel_state`` would have given, so it beha
 from __future__ import annotations
 
 import contextvars
-import inspect
 import sys
 import types
-from typing import Any, Optional, Tuple
 
 from ..engine.fix import Fix, Target
 from ..engine.patching import Patcher, mark, original
@@ -41,10 +39,10 @@ MIXER = "megatron.core.ssm.mamba_mixer"
 RADIO = "megatron.core.models.vision.radio"
 
 # Groups of the MambaMixer / RADIOViTModel currently inside the patched call (None outside).
-_MIXER_GROUPS: contextvars.ContextVar[Optional[Tuple[Any, Any]]] = contextvars.ContextVar(
+_MIXER_GROUPS = contextvars.ContextVar(  # (tp_group, dp_cp_group) or None
     "mcore_ckpt_fixes_tp_group_mixer", default=None
 )
-_RADIO_TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar(
+_RADIO_TP_GROUP = contextvars.ContextVar(
     "mcore_ckpt_fixes_tp_group_radio", default=None
 )
 
@@ -55,6 +53,8 @@ def _pg_collection(init, self, args, kwargs):
     """The ``pg_collection`` argument of a constructor call, wherever the release puts it."""
     sig = _SIGNATURES.get(init)
     if sig is None:
+        import inspect
+
         sig = _SIGNATURES[init] = inspect.signature(init)
     try:
         bound = sig.bind(self, *args, **kwargs)

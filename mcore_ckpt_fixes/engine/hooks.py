@@ -1,0 +1,71 @@
+"""Post-import hooks: run a callback right after a named module finishes executing.
+
+A small ``sys.meta_path`` finder instead of ``wrapt.register_post_import_hook``: importing wrapt 2.x
+pulls in asyncio and importlib.metadata (~40 ms here), which alone would break the budget of
+``import mcore_ckpt_fixes`` costing under 1 % of ``import megatron.core``. The mechanism is the same
+one wrapt uses: find the real spec through the other finders, then wrap its loader's exec_module.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+_HOOKS = {}  # module name -> list of callbacks(module)
+_LOCK = threading.RLock()
+
+
+class _Loader:
+    """Delegates to the real loader and fires the hooks once the module has executed."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        fire(module.__name__, sys.modules.get(module.__name__, module))
+
+    def __getattr__(self, name):  # get_source, is_package, ... for tools that ask the loader
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _HOOKS:
+            return None
+        for finder in list(sys.meta_path):  # the finders that would have found it without us
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+_FINDER = _Finder()
+
+
+def register(name: str, callback) -> None:
+    """Call ``callback(module)`` after ``import name``; at once if it is imported already."""
+    with _LOCK:
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+        _HOOKS.setdefault(name, []).append(callback)
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+
+
+def fire(name: str, module) -> None:
+    with _LOCK:
+        callbacks = list(_HOOKS.get(name, ()))
+    for cb in callbacks:
+        cb(module)
