@@ -91,11 +91,13 @@ def run_world(
         alive = _wait_pids(pids, timeout)
     else:
         procs = []
+        child_env = dict(os.environ, **(env or {}))  # PYTHONPATH and friends matter at start-up
         for rank in range(nproc):
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "mcore_ckpt_fixes.harness.worker", job_path, str(rank), result_paths[rank]],
                     start_new_session=True,
+                    env=child_env,
                 )
             )
         alive = _wait_procs(procs, timeout)

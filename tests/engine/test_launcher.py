@@ -1,0 +1,37 @@
+"""The round-trip launcher: results per rank, tracebacks back to the test, deadlines kill hangs."""
+
+import time
+
+import pytest
+
+from mcore_ckpt_fixes.harness.launcher import WorldError, run_world, values
+
+
+def test_results_from_every_rank_and_env_applied():
+    res = values(run_world("world_scenarios:allreduce_rank", 2, env={"MCORE_CKPT_FIXES": "off"}, timeout=60))
+    assert [r["rank"] for r in res] == [0, 1]
+    assert {r["sum"] for r in res} == {1.0}
+    assert {r["fixes"] for r in res} == {"off"}
+
+
+def test_failing_rank_does_not_hang_the_world():
+    start = time.monotonic()
+    results = run_world("world_scenarios:one_rank_fails_before_collective", 2, timeout=20)
+    assert time.monotonic() - start < 40
+    assert not results[1].ok and "rank 1 broke before the barrier" in results[1].error
+    assert not results[0].ok  # rank 0 never gets past the barrier: gloo errors out or the deadline kills it
+    with pytest.raises(WorldError, match="rank 1 broke"):
+        values(results)
+
+
+def test_hang_is_killed_at_the_deadline():
+    start = time.monotonic()
+    results = run_world("world_scenarios:hangs", 2, timeout=5)
+    assert time.monotonic() - start < 30
+    assert all(not r.ok and "did not finish within 5 s" in r.error for r in results)
+
+
+def test_spawn_method_works_too():
+    res = values(run_world("world_scenarios:allreduce_rank", 2, method="spawn", timeout=120,
+                           env={"PYTHONPATH": __import__("os").path.dirname(__file__) + ":" + __import__("os").environ.get("PYTHONPATH", "")}))
+    assert {r["sum"] for r in res} == {1.0}
