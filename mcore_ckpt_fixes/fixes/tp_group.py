@@ -10,8 +10,10 @@ heterogeneous MIMO builds its encoders) dies in ``sharded_state_dict()`` with
 
 * ``MambaLayer.__init__`` and ``RADIOViTModel.__init__`` never store ``self.tp_group``, so
   ``MegatronModule.sharded_state_dict`` falls back to ``parallel_state``;
-* ``RADIOViTModel`` builds its patch embedder (a ``ColumnParallelLinear``) without ``tp_group``, so
-  construction itself already needs ``parallel_state``;
+* ``RADIOViTModel`` builds its patch embedder (a ``ColumnParallelLinear``) without ``tp_group``:
+  with ``parallel_state`` uninitialised the embedder is quietly built unsharded (full size on every
+  rank), and once the model has a ``tp_group`` the save fails with ``Invalid access pattern`` for
+  ``embedder.weight``;
 * ``MambaMixer`` leaves its ``ExtendedRMSNorm`` without a group and calls
   ``make_sharded_tensors_for_checkpoint`` (the name bound in ``megatron.core.ssm.mamba_mixer``)
   without ``tp_group`` / ``dp_cp_group``.

@@ -86,6 +86,15 @@ def run_world(
                 try:
                     code = run_rank(job, rank, result_paths[rank])
                 finally:
+                    # Megatron's checkpoint writer starts a multiprocessing Manager on first save;
+                    # os._exit skips the atexit hook that shuts it down, leaving orphans that hold
+                    # the caller's stdout open. Run that hook (it ignores the parent's finalisers).
+                    try:
+                        import multiprocessing.util
+
+                        multiprocessing.util._exit_function()
+                    except Exception:
+                        pass
                     os._exit(code)
             pids.append(pid)
         alive = _wait_pids(pids, timeout)
@@ -102,6 +111,15 @@ def run_world(
             )
         alive = _wait_procs(procs, timeout)
 
+    try:
+        return _collect(result_paths, alive, timeout)
+    finally:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(result_paths, alive, timeout):
     results = []
     for rank, path in enumerate(result_paths):
         if rank in alive:

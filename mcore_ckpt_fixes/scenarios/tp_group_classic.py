@@ -1,0 +1,105 @@
+"""tp-group must change nothing for a model built the classic way (``parallel_state`` initialised).
+
+On a gloo world of 2 (TP=2) with ``parallel_state.initialize_model_parallel``, each model of the
+tp-group scenarios is built once with the fix reverted and once with it applied, from the same
+seed. The full sharded-state-dict description (every ShardedTensor's key, global shape, global
+offset, fragmentation and replica id, after the factories are built) and every tensor value must be
+identical, and the patched model must round-trip through ``dist_checkpointing`` exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import tp_group as explicit
+
+
+def _describe(sd):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    apply_factories(sd)
+    out = []
+    for v in nested_values(sd):
+        if isinstance(v, ShardedTensor):
+            out.append(("T", v.key, tuple(v.global_shape), tuple(v.global_offset), tuple(v.axis_fragmentations), repr(v.replica_id), tuple(v.local_shape)))
+        elif isinstance(v, ShardedObject):
+            out.append(("O", v.key, tuple(v.global_shape), tuple(v.global_offset), repr(v.replica_id)))
+    return sorted(out)
+
+
+def _builders(pgs):
+    """The same three models as the explicit-group scenarios, built from parallel_state's groups."""
+    explicit.install_mamba_ssm_stand_in()
+    from megatron.core.models.vision.radio import RADIOViTModel
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    try:
+        from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec as local_spec
+    except ImportError:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as local_spec
+
+    mamba_cfg = explicit._config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    return {
+        "mamba_mixer": lambda: MambaMixer(mamba_cfg, sub, d_model=explicit.HIDDEN, rmsnorm=True, pg_collection=pgs),
+        # pg_collection=None: the classic call, groups come from parallel_state.
+        "radio_vit": lambda: RADIOViTModel(
+            explicit._config(), local_spec(), class_token_len=2, patch_dim=4, img_h=16, img_w=16, max_img_h=16, max_img_w=16
+        ),
+    }
+
+
+def classic_models_identical(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    import mcore_ckpt_fixes
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        results = {}
+        for name, build in _builders(pgs).items():
+            built = {}
+            for patched in (False, True):
+                mcore_ckpt_fixes.revert()
+                if patched:
+                    mcore_ckpt_fixes.apply({})  # defaults: auto
+                explicit._seed_rng(7, parallel_state.get_tensor_model_parallel_rank())
+                model = build()
+                explicit._fill(model, 7, parallel_state.get_tensor_model_parallel_rank())
+                built[patched] = (model, _describe(model.sharded_state_dict(prefix="")))
+            (m_off, d_off), (m_on, d_on) = built[False], built[True]
+            sd_off, sd_on = m_off.state_dict(), m_on.state_dict()
+            same_values = sd_off.keys() == sd_on.keys() and all(
+                torch.equal(sd_off[k], sd_on[k]) for k in sd_off if isinstance(sd_off[k], torch.Tensor)
+            )
+            # Round trip with the fix on.
+            path = f"{ckpt_dir}/{name}"
+            if rank == 0:
+                import os
+
+                os.makedirs(path, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(m_on.sharded_state_dict(prefix=""), path)
+            dist.barrier()
+            explicit._seed_rng(8, parallel_state.get_tensor_model_parallel_rank())
+            fresh = build()
+            explicit._fill(fresh, 8, parallel_state.get_tensor_model_parallel_rank())
+            fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), path))
+            after = fresh.state_dict()
+            delta = max(
+                (float((sd_on[k].double() - after[k].double()).abs().max()) for k in sd_on if isinstance(sd_on[k], torch.Tensor) and sd_on[k].numel()),
+                default=0.0,
+            )
+            results[name] = {
+                "descriptions_equal": d_off == d_on,
+                "n_sharded": len(d_on),
+                "values_equal": same_values,
+                "round_trip_max_delta": delta,
+            }
+        return results
+    finally:
+        parallel_state.destroy_model_parallel()
