@@ -1,4 +1,4 @@
-"""``python -m mcore_ckpt_fixes`` / ``mcore-ckpt-fixes``: status (and, as they land, more commands)."""
+"""``python -m mcore_ckpt_fixes`` / ``mcore-ckpt-fixes``: status, selftest (and, as they land, more commands)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,25 @@ import sys
 from typing import List, Optional
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage: one line on stderr and exit 2, no usage block (subparsers inherit this class)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mcore-ckpt-fixes",
         description="Fixes for Megatron-Core distributed checkpointing: see which apply here.",
     )
@@ -20,17 +37,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         action="store_true",
         help="do not import the Megatron-Core modules the fixes target (their fixes stay 'pending')",
     )
+    p_self = sub.add_parser(
+        "selftest",
+        help="run every fix's checkpoint round trips on this stack, with the fix off and on",
+        description="Run every fix's checkpoint round trips on this Megatron-Core, torch and device, with "
+        "the fix off (the bug must show where the release needs the fix) and on (every tensor must come "
+        "back exactly on every rank). Exit 0 only when every fix this release needs is exact with the fix "
+        "on; 1 otherwise; 2 for bad usage.",
+    )
+    p_self.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo, forked ranks (default); cuda: NCCL, spawned ranks, one GPU each")
+    p_self.add_argument("--nproc", type=_positive_int, default=2,
+                        help="ranks per world (default 2; a scenario written for another size is skipped)")
+    p_self.add_argument("--json", action="store_true", help="print a JSON list of objects, one per fix")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        from .cli.status import run as run_status  # imports mcore_ckpt_fixes: flags parsed here
+        import mcore_ckpt_fixes  # noqa: F401  (flags parsed here)
     except ValueError as exc:  # FlagError: one line, no traceback
         print(f"mcore-ckpt-fixes: {exc}", file=sys.stderr)
         return 2
     if args.command == "status":
+        from .cli.status import run as run_status
+
         return run_status(as_json=args.json, import_targets=not args.no_import)
+    if args.command == "selftest":
+        from .cli.selftest import run as run_selftest
+
+        return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json)
     return 2
 
 

@@ -1,1 +1,131 @@
-"""Distributed scenarios run by :mod:`mcore_ckpt_fixes.harness` (one module per fix)."""
+"""The fixes' round-trip scenarios, declared once for the test suite and ``selftest``.
+
+A scenario is a function ``(rank, world_size, ckpt_dir, patched, device="cpu") -> dict`` run on
+every rank of a world started by :mod:`mcore_ckpt_fixes.harness.launcher`. It returns
+``{"error", "phase", "max_delta", "n_tensors", "fix_state", ...}``: ``error`` is the first failure
+as ``"Type: message"`` (``None`` when the round trip completed), ``phase`` where it happened, and
+``max_delta`` the largest absolute difference per tensor between what was saved and what was loaded.
+
+Each :class:`Scenario` says how to read the fix-off half on a release the fix is needed for (its
+:class:`Bug`: the documented error, exactly, or wrong values after load). On a release that does
+not need the fix, both halves must round-trip exactly.
+
+This module imports nothing heavy (no torch, no megatron): ``selftest`` reads it before deciding
+what to run, and ``prepare`` hooks are named as strings and imported only when they run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["Bug", "Scenario", "SCENARIOS", "for_fix", "resolve"]
+
+
+class Bug:
+    """What the fix-off half shows on a release that needs the fix.
+
+    ``Bug.raises(phase, error)``: every rank stops in ``phase`` with exactly ``error``.
+    ``Bug.wrong_values()``: the round trip completes but some rank loads other values than it saved.
+    """
+
+    __slots__ = ("kind", "phase", "error")
+
+    def __init__(self, kind, phase=None, error=None):
+        if kind not in ("raises", "wrong-values"):
+            raise ValueError(f"unknown bug kind {kind!r}")
+        self.kind, self.phase, self.error = kind, phase, error
+
+    @classmethod
+    def raises(cls, phase, error):
+        return cls("raises", phase, error)
+
+    @classmethod
+    def wrong_values(cls):
+        return cls("wrong-values")
+
+    def describe(self) -> str:
+        if self.kind == "raises":
+            return f"{self.error} (in {self.phase})"
+        return "a rank loads other values than it saved"
+
+    def matches(self, result: dict) -> bool:
+        """Does one rank's result dict show this bug, exactly?"""
+        if self.kind == "raises":
+            return result.get("phase") == self.phase and result.get("error") == self.error
+        deltas = result.get("max_delta") or {}
+        return result.get("phase") in (None, "compare") and any(d != 0.0 for d in deltas.values())
+
+    def __repr__(self):
+        return f"Bug({self.kind!r}, {self.phase!r}, {self.error!r})"
+
+
+class Scenario:
+    """One round trip of one fix.
+
+    ``func`` and ``prepare`` are ``"package.module:function"`` strings. ``prepare()`` runs in the
+    parent before any world is started (forked ranks inherit what it did: stand-ins for optional
+    packages that must be in place before Megatron imports, and the Megatron imports themselves,
+    so each world forks warm). ``nproc``: the world size the scenario is written for.
+    """
+
+    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc")
+
+    def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc=""):
+        self.fix_id = fix_id
+        self.name = name
+        self.func = func
+        self.nproc = nproc
+        self.bug = bug
+        self.prepare = prepare
+        self.devices = tuple(devices)
+        self.timeout = timeout
+        self.doc = doc
+
+    @property
+    def id(self) -> str:
+        return f"{self.fix_id}/{self.name}"
+
+    def __repr__(self):
+        return f"Scenario({self.id!r})"
+
+
+def resolve(ref: str):
+    """``"package.module:function"`` -> the function (imports the module)."""
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+_TP = "mcore_ckpt_fixes.scenarios.tp_group"
+
+# tp-group: the first assertion each model hits without the fix, exactly. A lone MambaMixer
+# differs: with parallel_state uninitialised its group-less helper call passes tp_group=None
+# through and the dp-cp lookup asserts first; in a stack (and in RADIO) MegatronModule's
+# sharded_state_dict asks parallel_state for the TP group before that.
+_TP_GROUP_NOT_INIT = "AssertionError: tensor model parallel group is not initialized"
+_DP_CP_NOT_INIT = "AssertionError: data parallel group with context parallel combined is not initialized"
+
+SCENARIOS = (
+    Scenario(
+        "tp-group", "mamba_stack", f"{_TP}:mamba_stack", 2,
+        Bug.raises("sharded_state_dict", _TP_GROUP_NOT_INIT),
+        prepare=f"{_TP}:prepare",
+        doc="two-layer MambaStack built from a ProcessGroupCollection (TP=2, no parallel_state)",
+    ),
+    Scenario(
+        "tp-group", "mamba_mixer", f"{_TP}:mamba_mixer", 2,
+        Bug.raises("sharded_state_dict", _DP_CP_NOT_INIT),
+        prepare=f"{_TP}:prepare",
+        doc="a lone MambaMixer with its gated RMSNorm (TP=2, no parallel_state)",
+    ),
+    Scenario(
+        "tp-group", "radio_vit", f"{_TP}:radio_vit", 2,
+        Bug.raises("sharded_state_dict", _TP_GROUP_NOT_INIT),
+        prepare=f"{_TP}:prepare",
+        doc="a small RADIOViTModel (TP=2, no parallel_state)",
+    ),
+)
+
+
+def for_fix(fix_id: str):
+    """The scenarios registered for ``fix_id``, in declaration order (possibly none)."""
+    return tuple(s for s in SCENARIOS if s.fix_id == fix_id)

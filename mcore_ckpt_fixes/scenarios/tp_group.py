@@ -1,9 +1,17 @@
 """tp-group round trips: models built from an explicit ``ProcessGroupCollection``, no ``parallel_state``.
 
-Each scenario runs on a gloo world of 2 ranks with TP=2 (``parallel_state`` stays uninitialised:
+Each scenario runs on a world of 2 ranks with TP=2 (``parallel_state`` stays uninitialised:
 that is the point), builds a model with rank-dependent deterministic values, saves it with
 ``dist_checkpointing.save``, loads it into a fresh model with other values and requires every
-tensor to come back bit-exact on every rank.
+tensor to come back bit-exact on every rank. They are registered, with the error each one shows
+without the fix, in :mod:`mcore_ckpt_fixes.scenarios`.
+
+``device="cpu"`` (the tests, ``selftest``): a gloo world, the worker's CPU shims, parameters
+initialised on the CPU. ``device="cuda"`` (``selftest --device cuda``): an NCCL world of spawned
+workers, each on its own GPU; the model is initialised on that GPU as Megatron's training loop
+does (``use_cpu_initialization=False``) and moved there whole afterwards (RADIO's class token and
+position embedding are plain CPU tensors at construction). The CUDA path has not been run on a
+GPU by this project's CI: nothing in it is exercised on the CPU hosts the tests run on.
 
 Stand-in for ``mamba_ssm`` (see :func:`install_mamba_ssm_stand_in`): ``MambaMixer`` needs the
 ``mamba_ssm`` package, whose Triton/CUDA kernels cannot be installed on a CPU host. Megatron
@@ -125,7 +133,7 @@ def _process_groups():
     )
 
 
-def _config(**extra):
+def _config(device="cpu", **extra):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -133,10 +141,26 @@ def _config(**extra):
         hidden_size=HIDDEN,
         num_attention_heads=4,
         tensor_model_parallel_size=TP,
-        use_cpu_initialization=True,
+        use_cpu_initialization=_device(device).type == "cpu",
         params_dtype=torch.float32,
         **extra,
     )
+
+
+def _device(device):
+    """``"cpu"`` or ``"cuda"`` -> the torch device this rank works on (the worker set the GPU)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def _place(model, device):
+    """Move the whole model to ``device`` (a no-op on CPU): parameters keep their identity and
+    Megatron's attributes (``tensor_model_parallel`` ...), as with ``model.cuda()`` in training."""
+    dev = _device(device)
+    return model if dev.type == "cpu" else model.to(dev)
 
 
 def _seed_rng(seed, tp_rank):
@@ -183,17 +207,18 @@ def _fix_states(patched, modules):
     return states
 
 
-def _round_trip(build, ckpt_dir, pgs, patched, modules):
+def _round_trip(build, ckpt_dir, pgs, patched, modules, device="cpu"):
     """build(seed) -> model. Returns the result dict of the scenario contract."""
     from megatron.core import dist_checkpointing
 
     tp_rank = pgs.tp.rank()
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None}
+    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "device": str(_device(device))}
     metadata = {"dp_cp_group": pgs.dp_cp}
     phase = "build"
     try:
-        saved = build(SAVE_SEED)
+        saved = _place(build(SAVE_SEED), device)
         _fill(saved, SAVE_SEED, tp_rank)
+        _check_device(saved, device)
         phase = "precondition"  # after build: the fix's targets are probed when first imported
         result["fix_state"] = _fix_states(patched, modules)
         phase = "sharded_state_dict"
@@ -202,7 +227,7 @@ def _round_trip(build, ckpt_dir, pgs, patched, modules):
         dist_checkpointing.save(sd, ckpt_dir)
         dist.barrier()
         phase = "build_fresh"
-        fresh = build(FRESH_SEED)
+        fresh = _place(build(FRESH_SEED), device)
         _fill(fresh, FRESH_SEED, tp_rank)
         before, after = _tensors(saved), _tensors(fresh)
         assert before.keys() == after.keys(), f"state_dict keys differ: {sorted(before.keys() ^ after.keys())}"
@@ -227,10 +252,28 @@ def _round_trip(build, ckpt_dir, pgs, patched, modules):
     return result
 
 
+def _check_device(model, device):
+    """Every tensor of the model is on the rank's device: a CUDA run must not quietly test CPU tensors."""
+    want = _device(device)
+    elsewhere = sorted(k for k, t in _tensors(model).items() if t.device.type != want.type)
+    assert not elsewhere, f"tensors not on {want}: {elsewhere}"
+
+
 # -- scenarios -----------------------------------------------------------------------------------
 
 
-def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+def prepare() -> None:
+    """Run in the parent before any world starts (``selftest``, the tests' warm parent): the
+    ``mamba_ssm`` stand-in must be in place before ``mamba_mixer`` is imported, and importing
+    Megatron here once lets every forked world start warm."""
+    install_mamba_ssm_stand_in()
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.vision.radio  # noqa: F401
+    import megatron.core.ssm.mamba_block  # noqa: F401
+    import megatron.core.ssm.mamba_mixer  # noqa: F401
+
+
+def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
     """A real two-layer MambaStack ("MM") with the local (non-TE) layer spec."""
     install_mamba_ssm_stand_in()
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
@@ -242,7 +285,7 @@ def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dic
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     pgs = _process_groups()
-    config = _config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    config = _config(device, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
     layer_spec = ModuleSpec(
         module=MambaLayer,
         submodules=MambaLayerSubmodules(
@@ -267,27 +310,27 @@ def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dic
         submodules = MambaStackSubmodules(mamba_layer=layer_spec)
         return MambaStack(config, submodules, post_layer_norm=False, pg_collection=pgs, **layers)
 
-    return _round_trip(build, ckpt_dir, pgs, patched, (_LAYER, _MIXER))
+    return _round_trip(build, ckpt_dir, pgs, patched, (_LAYER, _MIXER), device)
 
 
-def mamba_mixer(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+def mamba_mixer(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
     """A lone real MambaMixer with its gated RMSNorm (ExtendedRMSNorm)."""
     install_mamba_ssm_stand_in()
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     pgs = _process_groups()
-    config = _config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    config = _config(device, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
     sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
 
     def build(seed):
         _seed_rng(seed, pgs.tp.rank())
         return MambaMixer(config, sub, d_model=HIDDEN, rmsnorm=True, pg_collection=pgs)
 
-    return _round_trip(build, ckpt_dir, pgs, patched, (_MIXER,))
+    return _round_trip(build, ckpt_dir, pgs, patched, (_MIXER,), device)
 
 
-def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
+def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
     """A small RADIOViTModel with the local ViT layer spec."""
     from megatron.core.models.vision.radio import RADIOViTModel
 
@@ -297,7 +340,7 @@ def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as local_spec
 
     pgs = _process_groups()
-    config = _config()
+    config = _config(device)
 
     def build(seed):
         _seed_rng(seed, pgs.tp.rank())
@@ -313,4 +356,4 @@ def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool) -> dict:
             pg_collection=pgs,
         )
 
-    return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,))
+    return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,), device)

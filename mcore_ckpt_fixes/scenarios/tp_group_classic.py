@@ -103,3 +103,49 @@ def classic_models_identical(rank: int, world_size: int, ckpt_dir: str) -> dict:
         return results
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def save_load_timing(rank: int, world_size: int, ckpt_dir: str, repeats: int = 5) -> dict:
+    """Median sharded_state_dict + save + load time with the fix reverted and applied, interleaved.
+
+    Measured on the classic path because that is the only one where the unpatched release can
+    save at all; the explicit-group path runs the same wrappers.
+    """
+    import os
+    import statistics
+    import time
+
+    import mcore_ckpt_fixes
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        builders = _builders(pgs)
+        times = {False: [], True: []}
+        for i in range(repeats):
+            for patched in (False, True) if i % 2 == 0 else (True, False):
+                mcore_ckpt_fixes.revert()
+                if patched:
+                    mcore_ckpt_fixes.apply({})
+                models = {name: build() for name, build in builders.items()}
+                path = f"{ckpt_dir}/{i}-{int(patched)}"
+                if rank == 0:
+                    os.makedirs(path, exist_ok=True)
+                dist.barrier()
+                start = time.perf_counter()
+                sd = {}
+                for name, model in models.items():
+                    sd.update(model.sharded_state_dict(prefix=f"{name}."))
+                dist_checkpointing.save(sd, path)
+                dist.barrier()
+                sd = {}
+                for name, model in models.items():
+                    sd.update(model.sharded_state_dict(prefix=f"{name}."))
+                dist_checkpointing.load(sd, path)
+                dist.barrier()
+                times[patched].append(time.perf_counter() - start)
+        return {"unpatched_s": statistics.median(times[False]), "patched_s": statistics.median(times[True])}
+    finally:
+        parallel_state.destroy_model_parallel()
