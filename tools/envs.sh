@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Build (or reuse) the cached test environments, one per Megatron-Core release line.
 #
-# Layout, all under .envs/ (git-ignored, kept between runs):
-#   .envs/py3.11/            venv: torch 2.13.0 (CPU wheel on this machine) + test deps
-#   .envs/py3.12/            venv: torch from PyPI (runs on CPU) + test deps
-#   .envs/mcore-<release>/   megatron-core <release> installed --no-deps --target, put on PYTHONPATH
+# Layout, under $MCORE_CKPT_FIXES_ENVS (default ~/.cache/mcore-ckpt-fixes/envs, kept between runs):
+#   py3.11/            venv: torch 2.13.0 (CPU wheel on this machine) + test deps
+#   py3.12/            venv: torch from PyPI (runs on CPU) + test deps
+#   mcore-<release>/   megatron-core <release> installed --no-deps --target, put on PYTHONPATH
 # Sharing one interpreter venv between release lines keeps the 5.5 GB torch install to one per Python.
 #
 # Usage: tools/envs.sh [RELEASE ...]     (default: every release in tools/releases.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-ENVS=${MCORE_CKPT_FIXES_ENVS:-$ROOT/.envs}
+# Outside the clone by default, so a fresh clone (CI) on a machine that built them reuses them.
+ENVS=${MCORE_CKPT_FIXES_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore-ckpt-fixes/envs}
 mkdir -p "$ENVS"
 
 python_for() {  # release -> python minor version it needs

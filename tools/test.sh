@@ -8,7 +8,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-ENVS=${MCORE_CKPT_FIXES_ENVS:-$ROOT/.envs}
+# Outside the clone by default, so a fresh clone (CI) on a machine that built them reuses them.
+ENVS=${MCORE_CKPT_FIXES_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore-ckpt-fixes/envs}
 
 releases=(); pytest_args=()
 while [ $# -gt 0 ]; do

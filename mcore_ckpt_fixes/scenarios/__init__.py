@@ -49,14 +49,31 @@ class Bug:
         return "a rank loads other values than it saved"
 
     def matches(self, result: dict) -> bool:
-        """Does one rank's result dict show this bug, exactly?"""
+        """Does this rank's result show the bug? (``raises``: exactly this error in this phase;
+        ``wrong-values``: the round trip got to the comparison and some tensor differs.)"""
         if self.kind == "raises":
             return result.get("phase") == self.phase and result.get("error") == self.error
-        deltas = result.get("max_delta") or {}
-        return result.get("phase") in (None, "compare") and any(d != 0.0 for d in deltas.values())
+        return _completed(result) and any(d != 0.0 for d in (result.get("max_delta") or {}).values())
+
+    def seen_in(self, results) -> bool:
+        """Does the world (one result dict per rank, ``None`` for a rank that crashed) show the bug?
+
+        ``raises``: on every rank. ``wrong-values``: every rank completed the round trip and at least
+        one loaded other values (a rank reading another rank's shard leaves the others exact).
+        """
+        if any(r is None for r in results) or not results:
+            return False
+        if self.kind == "raises":
+            return all(self.matches(r) for r in results)
+        return all(_completed(r) for r in results) and any(self.matches(r) for r in results)
 
     def __repr__(self):
         return f"Bug({self.kind!r}, {self.phase!r}, {self.error!r})"
+
+
+def _completed(result: dict) -> bool:
+    """The round trip ran to the end: no error, or only the comparison's own assertion."""
+    return bool(result.get("max_delta")) and result.get("phase") in (None, "compare")
 
 
 class Scenario:

@@ -9,58 +9,65 @@ import pytest
 
 from mcore_ckpt_fixes.fixes.tp_group import FIX
 from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.scenarios import for_fix, resolve
 
-SCENARIOS = ("mamba_stack", "mamba_mixer", "radio_vit")
-# The first assertion each model hits without the fix. A lone MambaMixer differs: with
-# parallel_state uninitialised its group-less helper call passes tp_group=None through and the
-# dp-cp lookup asserts first; in a stack (and in RADIO) MegatronModule.sharded_state_dict asks
-# parallel_state for the TP group before that.
-UNPATCHED_ERROR = {
-    "mamba_stack": "AssertionError: tensor model parallel group is not initialized",
-    "mamba_mixer": "AssertionError: data parallel group with context parallel combined is not initialized",
-    "radio_vit": "AssertionError: tensor model parallel group is not initialized",
-}
+# The registry selftest runs too: each scenario with the exact error it shows without the fix
+# (see mcore_ckpt_fixes/scenarios/__init__.py for why a lone MambaMixer's differs).
+SCENARIOS = {s.name: s for s in for_fix("tp-group")}
+
+
+def test_registry_declares_every_round_trip():
+    """Pinned here as well: a registry edit must not quietly move what "the bug reproduced" means."""
+    assert {n: (s.bug.kind, s.bug.phase, s.bug.error) for n, s in SCENARIOS.items()} == {
+        "mamba_stack": ("raises", "sharded_state_dict", "AssertionError: tensor model parallel group is not initialized"),
+        "mamba_mixer": (
+            "raises",
+            "sharded_state_dict",
+            "AssertionError: data parallel group with context parallel combined is not initialized",
+        ),
+        "radio_vit": ("raises", "sharded_state_dict", "AssertionError: tensor model parallel group is not initialized"),
+    }
+    for s in SCENARIOS.values():
+        assert s.nproc == 2 and s.func == f"mcore_ckpt_fixes.scenarios.tp_group:{s.name}"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    """Import everything once here: every world below is forked from this process."""
-    from mcore_ckpt_fixes.scenarios import tp_group as scenarios
-
-    scenarios.install_mamba_ssm_stand_in()
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.vision.radio  # noqa: F401
-    import megatron.core.ssm.mamba_block  # noqa: F401
-    import megatron.core.ssm.mamba_mixer  # noqa: F401
+    """Import everything once here (the scenarios' prepare hooks): every world below is forked from this process."""
+    for hook in dict.fromkeys(s.prepare for s in SCENARIOS.values()):
+        resolve(hook)()
 
 
 def _run(name, patched, tmp_path):
     env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
     return values(
         run_world(
-            f"mcore_ckpt_fixes.scenarios.tp_group:{name}",
-            2,
+            SCENARIOS[name].func,
+            SCENARIOS[name].nproc,
             {"ckpt_dir": str(tmp_path), "patched": patched},
             env=env,
-            timeout=240,
+            timeout=SCENARIOS[name].timeout,
         )
     )
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_unpatched(name, tmp_path, mcore_version):
     results = _run(name, False, tmp_path)
+    bug = SCENARIOS[name].bug
     if mcore_version in FIX.specifiers:
         for rank, r in enumerate(results):
-            assert r["phase"] == "sharded_state_dict", (rank, r)
-            assert r["error"] == UNPATCHED_ERROR[name], (rank, r["error"])
+            assert r["phase"] == bug.phase, (rank, r)
+            assert r["error"] == bug.error, (rank, r["error"])
+        assert bug.seen_in(results)  # selftest's judgement agrees
     else:  # fixed upstream: the fix is off and the round trip is exact anyway
         for rank, r in enumerate(results):
             assert r["error"] is None, (rank, r.get("traceback"))
             assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r)
+        assert not bug.seen_in(results)
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
     results = _run(name, True, tmp_path)
     expected_state = "applied" if mcore_version in FIX.specifiers else "not-needed"

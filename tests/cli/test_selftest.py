@@ -1,0 +1,133 @@
+"""``python -m mcore_ckpt_fixes selftest`` on this environment's release, as a user runs it.
+
+One full run (``--json``: every scenario, fix off and on, ~30 s), two runs that skip every scenario
+(no world is started, so they cost only the Megatron import), bad usage, and the judgement the
+selftest applies to a world's results. The CUDA path is marked ``gpu`` (deselected by default).
+"""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.fixes import ORDER
+from mcore_ckpt_fixes.scenarios import Bug, for_fix
+
+
+def _json_run(args):
+    proc = run_cli(["selftest", "--json", *args], timeout=900)
+    try:
+        rows = {r["id"]: r for r in json.loads(proc.stdout)}  # stdout is the JSON and nothing else
+    except ValueError:
+        pytest.fail(f"stdout is not JSON (exit {proc.returncode})\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc, rows
+
+
+def _check_unimplemented(rows, mcore_version):
+    fixes = ENGINE.discover()
+    assert list(rows) == list(ORDER)
+    for fix_id, row in rows.items():
+        if not fixes[fix_id].implemented:  # listed as such, never "passed"
+            assert row["verdict"] == "unimplemented" and row["scenarios"] == [], row
+            assert row["needed"] is None and row["in_affected_range"] == (mcore_version in fixes[fix_id].specifiers)
+
+
+def test_selftest_json_on_this_release(mcore_version):
+    proc, rows = _json_run([])
+    _check_unimplemented(rows, mcore_version)
+    tp = rows["tp-group"]
+    names = [s.name for s in for_fix("tp-group")]
+    assert [s["name"] for s in tp["scenarios"]] == names
+    for i, name in enumerate(names, 1):  # a progress line per scenario, on stderr
+        assert f"selftest [{i}/{len(names)}] tp-group/{name}: fix off ... " in proc.stderr, proc.stderr
+    assert tp["megatron_core"] == str(mcore_version) and tp["device"] == "cpu" and tp["nproc"] == 2
+    affected = mcore_version in ENGINE.discover()["tp-group"].specifiers
+    for s in tp["scenarios"]:
+        bug = next(x.bug for x in for_fix("tp-group") if x.name == s["name"])
+        assert s["skipped"] is None, s
+        assert s["exact"] is True, (s["name"], s["fix_on"])
+        assert s["fix_on"]["max_delta_per_rank"] == [0.0, 0.0] and min(s["fix_on"]["n_tensors_per_rank"]) > 0, s
+        expected_state = "applied" if affected else "not-needed"
+        assert all(set(st.values()) == {expected_state} for st in s["fix_on"]["fix_state_per_rank"]), s
+        if affected:
+            assert s["reproduced"] is True and s["fix_off"]["outcome"] == "documented-bug", s["fix_off"]
+            assert [r["error"] for r in s["fix_off"]["ranks"]] == [bug.error, bug.error]
+            assert s["fix_off"]["observed"] == f"{bug.error} (in {bug.phase})"
+        else:
+            assert s["reproduced"] is False and s["fix_off"]["outcome"] == "exact", s["fix_off"]
+    if affected:
+        assert tp["needed"] is True and tp["state"] == "applied" and tp["verdict"] == "pass", tp
+    else:
+        assert tp["needed"] is False and tp["state"] == "not-needed" and tp["verdict"] == "not-needed", tp
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [(["--nproc", "3"], "written for exactly 2 ranks; --nproc 3 asked"), (["--device", "cuda"], None)],
+    ids=["nproc3", "cuda"],
+)
+def test_scenarios_that_cannot_run_are_skipped_never_passed(args, reason, mcore_version, tmp_path):
+    if args[-1] == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available: the gpu-marked test covers --device cuda")
+        reason = "CUDA is not available to this torch"
+    # A user's flag is set aside (and said so): each fix is compared at its default and off.
+    # TMPDIR: a selftest that does not pass keeps its log; keep it in this test's directory.
+    proc = run_cli(["selftest", *args], {"MCORE_CKPT_FIX_TP_GROUP": "off", "TMPDIR": str(tmp_path)}, timeout=600)
+    out = proc.stdout
+    assert "ignoring MCORE_CKPT_FIX_TP_GROUP=off" in proc.stderr, proc.stderr
+    affected = mcore_version in ENGINE.discover()["tp-group"].specifiers
+    assert f"needed by this release: {'yes' if affected else 'no'}" in out, out
+    for s in for_fix("tp-group"):
+        assert f"skipped: {reason}" in next(ln for ln in out.splitlines() if ln.strip().startswith(s.name + " ")), out
+    if affected:  # nothing verified: not a pass
+        assert "NOT VERIFIED" in out and "PASS" not in out, out
+        assert proc.returncode == 1, out
+        assert f"printed is in {tmp_path}" in proc.stderr, proc.stderr
+    else:  # a fix this release does not need does not decide the exit status
+        assert proc.returncode == 0, out
+
+
+@pytest.mark.parametrize("args", [["--device", "tpu"], ["--nproc", "0"]])
+def test_bad_usage_exits_2_with_one_line(args):
+    proc = run_cli(["selftest", *args], timeout=60)
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and args[0] in lines[0] and "error" in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_bug_judgement():
+    raises = Bug.raises("sharded_state_dict", "AssertionError: x")
+    hit = {"phase": "sharded_state_dict", "error": "AssertionError: x", "max_delta": {}}
+    exact = {"phase": None, "error": None, "max_delta": {"w": 0.0}}
+    assert raises.seen_in([hit, hit])
+    assert not raises.seen_in([hit, exact]) and not raises.seen_in([hit, None]) and not raises.seen_in([])
+    assert not raises.seen_in([dict(hit, error="AssertionError: x and more"), hit])  # exact text only
+    wrong = Bug.wrong_values()
+    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5}}
+    assert wrong.seen_in([exact, other_shard])  # one rank reading another's shard is enough
+    assert not wrong.seen_in([exact, exact]) and not wrong.seen_in([hit, other_shard])
+
+
+@pytest.mark.gpu
+def test_selftest_cuda(mcore_version):
+    """``--device cuda`` on a machine with at least two GPUs (NCCL, spawned ranks).
+
+    Not run on this project's CPU-only hosts: the CUDA path of the scenarios is untested there.
+    """
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    proc, rows = _json_run(["--device", "cuda"])
+    tp = rows["tp-group"]
+    assert all(s["exact"] is True for s in tp["scenarios"]), tp
+    # every rank really worked on its own GPU (the scenarios check each tensor's device too)
+    devices = [r["device"] for s in tp["scenarios"] for r in s["fix_on"]["ranks"]]
+    assert all(d and d.startswith("cuda") for d in devices), devices
+    assert proc.returncode == 0, proc.stderr
