@@ -129,6 +129,7 @@ def save_load_timing(rank: int, world_size: int, ckpt_dir: str, repeats: int = 5
                 mcore_ckpt_fixes.revert()
                 if patched:
                     mcore_ckpt_fixes.apply({})
+                explicit._seed_rng(7, parallel_state.get_tensor_model_parallel_rank())  # RNG tracker
                 models = {name: build() for name, build in builders.items()}
                 path = f"{ckpt_dir}/{i}-{int(patched)}"
                 if rank == 0:
