@@ -1,0 +1,102 @@
+"""patches/<fix-id>/<release>.patch: applied with ``patch -p1`` to a pristine copy of this
+environment's Megatron-Core (the unpacked wheel, site-packages layout), then
+
+* every probe of the monkeypatch finds the bug fixed in the patched source (so a monkeypatch that
+  learns a new target or probe, or a diff that loses a hunk, fails here: the two stay in step), and
+* the fix's round trips, run with the monkeypatch off, are exact on every rank.
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from mcore_ckpt_fixes.engine.registry import ENGINE
+
+PATCHES = os.path.join(ROOT, "patches")
+
+
+def _implemented_fixes_with_patches():
+    return sorted(f.id for f in ENGINE.discover().values() if f.implemented and os.path.isdir(os.path.join(PATCHES, f.id)))
+
+
+def _patch_for(fix_id, version):
+    return os.path.join(PATCHES, fix_id, f"{version}.patch")
+
+
+@pytest.fixture(scope="module")
+def pristine_megatron():
+    from mcore_ckpt_fixes.engine.version import detect
+
+    info = detect()
+    assert info.source == "wheel", info.describe()
+    return info.path
+
+
+def test_every_implemented_fix_ships_its_patches(mcore_version):
+    """Each implemented fix has a diff for this release exactly when the release is affected."""
+    for fix in ENGINE.discover().values():
+        if not fix.implemented:
+            continue
+        expected = mcore_version in fix.specifiers
+        assert os.path.exists(_patch_for(fix.id, mcore_version)) == expected, (fix.id, str(mcore_version))
+
+
+SCRIPT = r"""
+import json, os, sys, tempfile
+import megatron
+assert megatron.__path__[0] == os.environ["PATCHED_MEGATRON"], megatron.__path__
+from mcore_ckpt_fixes.scenarios import SCENARIOS, resolve
+fix_id = os.environ["FIX_ID"]
+mine = [s for s in SCENARIOS if s.fix_id == fix_id]
+for prep in {s.prepare for s in mine if s.prepare}:
+    resolve(prep)()
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.engine.registry import ENGINE
+# Probes: forced on so the version range does not short-cut them; each must see the fix in place.
+mcore_ckpt_fixes.revert(); mcore_ckpt_fixes.apply({"MCORE_CKPT_FIXES": fix_id, "MCORE_CKPT_FIX_" + fix_id.upper().replace("-", "_"): "on"})
+import importlib
+for t in ENGINE.fixes[fix_id].targets:
+    importlib.import_module(t.module)
+row = {r["id"]: r for r in mcore_ckpt_fixes.report()}[fix_id]
+from mcore_ckpt_fixes.harness.launcher import run_world, values
+out = {"probe": row["targets"], "round_trips": {}}
+for s in mine:
+    d = tempfile.mkdtemp()
+    res = values(run_world(s.func, s.nproc, {"ckpt_dir": d, "patched": False}, env={"MCORE_CKPT_FIXES": "off"}, timeout=240))
+    out["round_trips"][s.name] = [{"error": r["error"], "max_delta": r["max_delta"], "n_tensors": r["n_tensors"]} for r in res]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("fix_id", _implemented_fixes_with_patches())
+def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version, pristine_megatron, tmp_path):
+    patch_file = _patch_for(fix_id, mcore_version)
+    fix = ENGINE.discover()[fix_id]
+    if mcore_version not in fix.specifiers:
+        assert not os.path.exists(patch_file)  # nothing to patch on a release without the bug
+        return
+    shutil.copytree(pristine_megatron, tmp_path / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    for args in (["--dry-run"], []):
+        proc = subprocess.run(["patch", "-p1", "--forward", *args, "-i", patch_file], cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 0 and "FAILED" not in proc.stdout and "fuzz" not in proc.stdout.lower(), proc.stdout + proc.stderr
+    assert not glob.glob(str(tmp_path / "megatron" / "**" / "*.rej"), recursive=True)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
+               PATCHED_MEGATRON=str(tmp_path / "megatron"), FIX_ID=fix_id)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    for module, state in result["probe"].items():
+        assert state["state"] == "not-needed" and state["reason"].startswith("probe:"), (module, state)
+    assert set(result["probe"]) == {t.module for t in fix.targets}
+    for name, ranks in result["round_trips"].items():
+        for rank, r in enumerate(ranks):
+            assert r["error"] is None, (name, rank, r["error"])
+            assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (name, rank, r["max_delta"])
