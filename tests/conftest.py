@@ -24,12 +24,21 @@ def megatron_version():
     return detect().version
 
 
+def _child_env(paths: list, env: dict | None) -> dict:
+    """This environment without fix flags, ``paths`` before the inherited PYTHONPATH, then ``env``
+    (whose own PYTHONPATH entries, if any, go first: the caller's must shadow the environment's)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(env or {})
+    first = [env.pop("PYTHONPATH")] if "PYTHONPATH" in env else []
+    full_env["PYTHONPATH"] = os.pathsep.join(first + paths + inherited)
+    full_env.update(env)
+    return full_env
+
+
 def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter of this environment with clean fix flags."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    paths = [ROOT, TESTS, os.path.join(TESTS, "engine")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    full_env["PYTHONPATH"] = os.pathsep.join(paths)
-    full_env.update(env or {})
+    full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
     # A real script file, not -c: spawn children re-import __main__ to find functions defined there.
     fd, script = tempfile.mkstemp(suffix=".py", prefix="mcore_ckpt_fixes_test_")
     with os.fdopen(fd, "w") as f:
@@ -45,13 +54,7 @@ def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subproce
 
 def run_cli(args: list, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    full_env["PYTHONPATH"] = os.pathsep.join(paths)
-    env = dict(env or {})
-    if "PYTHONPATH" in env:  # prepend: the caller's entries must shadow the environment's
-        full_env["PYTHONPATH"] = os.pathsep.join([env.pop("PYTHONPATH"), full_env["PYTHONPATH"]])
-    full_env.update(env)
+    full_env = _child_env([ROOT], env)
     return subprocess.run(
         [sys.executable, "-m", "mcore_ckpt_fixes", *args], env=full_env, capture_output=True, text=True, timeout=timeout
     )

@@ -25,9 +25,6 @@ class Flags:
     def __init__(self, modes):
         self.modes = modes  # fix id -> one of MODES
 
-    def mode(self, fix_id: str) -> str:
-        return self.modes[fix_id]
-
 
 def parse(fix_ids, environ=None) -> Flags:
     """Return the effective mode of every fix, or raise :class:`FlagError`."""

@@ -29,15 +29,6 @@ def _log():
     return logging.getLogger("mcore_ckpt_fixes")
 
 FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
-STATES = (
-    "applied",
-    "pending",
-    "not-needed",
-    "not-applicable",
-    "disabled",
-    "failed",
-    "unimplemented",
-)
 # Which target state wins when a fix's targets disagree (most important first).
 _PRECEDENCE = ("failed", "applied", "pending", "not-needed", "not-applicable")
 
@@ -135,7 +126,7 @@ class _Engine:
         self.hooked.add(module_name)
         hooks.register(module_name, _on_import)
 
-    def on_import(self, module: types.ModuleType) -> None:
+    def on_import(self, module) -> None:
         with self.lock:
             if not self.active:
                 return
@@ -292,6 +283,6 @@ def _fix_module_names(paths):
 ENGINE = _Engine()
 
 
-def _on_import(module: types.ModuleType) -> None:
+def _on_import(module) -> None:
     # Module-level so wrapt holds no closure over engine state; the engine decides what to do.
     ENGINE.on_import(module)

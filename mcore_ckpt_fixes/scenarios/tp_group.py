@@ -313,25 +313,20 @@ def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool, device
     return _round_trip(build, ckpt_dir, pgs, patched, (_LAYER, _MIXER), device)
 
 
-def mamba_mixer(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
-    """A lone real MambaMixer with its gated RMSNorm (ExtendedRMSNorm)."""
+def mixer_factory(pgs, device: str = "cpu"):
+    """() -> a real MambaMixer with its gated RMSNorm (ExtendedRMSNorm), built from ``pgs``."""
     install_mamba_ssm_stand_in()
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    pgs = _process_groups()
     config = _config(device, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
     sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
-
-    def build(seed):
-        _seed_rng(seed, pgs.tp.rank())
-        return MambaMixer(config, sub, d_model=HIDDEN, rmsnorm=True, pg_collection=pgs)
-
-    return _round_trip(build, ckpt_dir, pgs, patched, (_MIXER,), device)
+    return lambda: MambaMixer(config, sub, d_model=HIDDEN, rmsnorm=True, pg_collection=pgs)
 
 
-def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
-    """A small RADIOViTModel with the local ViT layer spec."""
+def radio_factory(pgs, device: str = "cpu"):
+    """() -> a small RADIOViTModel with the local ViT layer spec; ``pgs=None`` is the classic call
+    (groups from parallel_state)."""
     from megatron.core.models.vision.radio import RADIOViTModel
 
     try:
@@ -339,21 +334,37 @@ def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
     except ImportError:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as local_spec
 
-    pgs = _process_groups()
     config = _config(device)
+    return lambda: RADIOViTModel(
+        config,
+        local_spec(),
+        class_token_len=2,
+        patch_dim=4,
+        img_h=16,
+        img_w=16,
+        max_img_h=16,
+        max_img_w=16,
+        pg_collection=pgs,
+    )
 
+
+def _seeded(make, pgs):
     def build(seed):
         _seed_rng(seed, pgs.tp.rank())
-        return RADIOViTModel(
-            config,
-            local_spec(),
-            class_token_len=2,
-            patch_dim=4,
-            img_h=16,
-            img_w=16,
-            max_img_h=16,
-            max_img_w=16,
-            pg_collection=pgs,
-        )
+        return make()
 
+    return build
+
+
+def mamba_mixer(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """A lone real MambaMixer with its gated RMSNorm (ExtendedRMSNorm)."""
+    pgs = _process_groups()
+    build = _seeded(mixer_factory(pgs, device), pgs)
+    return _round_trip(build, ckpt_dir, pgs, patched, (_MIXER,), device)
+
+
+def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """A small RADIOViTModel with the local ViT layer spec."""
+    pgs = _process_groups()
+    build = _seeded(radio_factory(pgs, device), pgs)
     return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,), device)

@@ -30,25 +30,10 @@ def _describe(sd):
 
 
 def _builders(pgs):
-    """The same three models as the explicit-group scenarios, built from parallel_state's groups."""
-    explicit.install_mamba_ssm_stand_in()
-    from megatron.core.models.vision.radio import RADIOViTModel
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    try:
-        from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec as local_spec
-    except ImportError:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as local_spec
-
-    mamba_cfg = explicit._config(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
-    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    """The mixer and RADIO models of the explicit-group scenarios, built from parallel_state's groups."""
     return {
-        "mamba_mixer": lambda: MambaMixer(mamba_cfg, sub, d_model=explicit.HIDDEN, rmsnorm=True, pg_collection=pgs),
-        # pg_collection=None: the classic call, groups come from parallel_state.
-        "radio_vit": lambda: RADIOViTModel(
-            explicit._config(), local_spec(), class_token_len=2, patch_dim=4, img_h=16, img_w=16, max_img_h=16, max_img_w=16
-        ),
+        "mamba_mixer": explicit.mixer_factory(pgs),  # MambaMixer requires a pg_collection
+        "radio_vit": explicit.radio_factory(None),  # the classic call: groups from parallel_state
     }
 
 
