@@ -161,7 +161,12 @@ def _skip_missing(rows):
     return None
 
 
-def _run_scenario(scenario, needed, device, nproc, run_world):
+def _expected_off(scenario, needed, version) -> str:
+    bug = scenario.bug_for(version) if needed is not False else None
+    return bug.describe() if bug is not None else "round trip exact"
+
+
+def _run_scenario(scenario, needed, device, nproc, run_world, version=None):
     """Both halves of one scenario -> its JSON object (the static skip checks are the caller's)."""
     out = {"skipped": None, "reproduced": None, "exact": None}
     _progress("fix off ... ")
@@ -173,8 +178,8 @@ def _run_scenario(scenario, needed, device, nproc, run_world):
         _progress(f"skipped: {missing}", "\n")
         return out
 
-    bug = scenario.bug
-    if bug.seen_in([r.get("_value") for r in off]):
+    bug = scenario.bug_for(version) if needed is not False else None
+    if bug is not None and bug.seen_in([r.get("_value") for r in off]):
         outcome, word = "documented-bug", "documented bug reproduced"
     elif all(_exact(r) for r in off):
         outcome, word = "exact", "round trip exact"
@@ -336,7 +341,12 @@ def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
         for i, (entry, scenario) in enumerate(runnable, 1):
             _progress(f"selftest [{i}/{len(runnable)}] {scenario.id}: ")
             skip = stack_skip
-            if device not in scenario.devices:
+            absent = None if skip else scenario.absent()
+            if entry["state"] == "not-applicable":  # nothing to build: the patched feature is absent
+                skip = f"not applicable to this release: {entry['reason']}"
+            elif absent:
+                skip = f"not applicable to this release: {absent}"
+            elif device not in scenario.devices:
                 skip = f"not written for --device {device}"
             elif nproc != scenario.nproc:
                 skip = f"written for exactly {scenario.nproc} ranks; --nproc {nproc} asked"
@@ -348,7 +358,7 @@ def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
                 "func": scenario.func,
                 "nproc": scenario.nproc,
                 "doc": scenario.doc,
-                "expected_with_fix_off": scenario.bug.describe() if entry["needed"] is not False else "round trip exact",
+                "expected_with_fix_off": _expected_off(scenario, entry["needed"], info.version),
             }
             if skip:
                 result = {"skipped": skip, "reproduced": None, "exact": None, "seconds": 0.0}
@@ -358,7 +368,7 @@ def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
                 result = {"skipped": None, "reproduced": None, "exact": False, "seconds": 0.0, "error": why}
                 _progress(f"NOT RUN: {why}", "\n")
             else:
-                result = _run_scenario(scenario, entry["needed"], device, nproc, run_world)
+                result = _run_scenario(scenario, entry["needed"], device, nproc, run_world, info.version)
             entry["scenarios"].append(dict(base, **result))
             entry["seconds"] = round(entry["seconds"] + result["seconds"], 1)
 
@@ -383,6 +393,8 @@ def _verdict(entry) -> str:
     scenarios = entry["scenarios"]
     if not scenarios:
         return "unverified"  # implemented without a round trip: nothing to show it works
+    if entry["state"] == "not-applicable":
+        return "not-applicable"
     if entry["needed"] is False:
         return "not-needed"
     if any(s["exact"] is False for s in scenarios):
@@ -395,7 +407,7 @@ def _verdict(entry) -> str:
 def _passes(entry) -> bool:
     # Unimplemented fixes are not checked (listed as such); a fix this release does not need does
     # not decide the exit status. Everything else must have run every scenario exactly.
-    if entry["verdict"] in ("unimplemented", "not-needed"):
+    if entry["verdict"] in ("unimplemented", "not-needed", "not-applicable"):
         return True
     return entry["verdict"] == "pass"
 
@@ -417,6 +429,7 @@ _VERDICT_TEXT = {
     "skipped": "NOT VERIFIED: scenarios skipped on this stack",
     "unverified": "NOT VERIFIED: no round-trip scenario registered for this fix",
     "not-needed": "not needed by this release",
+    "not-applicable": "not applicable: the feature it fixes is absent from this release",
 }
 
 

@@ -1,14 +1,401 @@
-"""gdn-fsdp-split: fsdp_dtensor save of Gated-DeltaNet fused projections applies the TP split twice.
+"""gdn-fsdp-split: fsdp_dtensor save of Gated-DeltaNet fused projections, rank-consistent, no collectives.
 
-Registered so that ``status`` lists it honestly; not implemented yet (issue #5): nothing is patched.
+Affected: Megatron-Core 0.18.x (TP split applied twice) and 0.19.x (per-rank fast path, hang risk).
+Upstream: NVIDIA/Megatron-LM #4748/#4753 (the 0.19 fast path for "already TP-local" GDN tensors,
+Qwen3.5 via Megatron-Bridge), #4799/#4843 (same, dev/cherry-pick), #4423 (plain-Tensor optimizer
+states), #4910 (the hang signature when ranks disagree).
+
+Failure prevented (0.18.x): ``handle_gdn_in_state_dict`` splits GDN's fused ``in_proj.weight``
+(query, key, value, z, beta, alpha) and ``conv1d.weight`` / ``conv1d.bias`` (query, key, value)
+through a nested ``split_gdn_fused``. It divides ``data.numel()`` by the TP size to get one TP
+rank's share. When ``data`` is already TP-local (its DTensor *global* shape is this TP rank's
+shape, as Megatron-Bridge / verl hand it over), the TP split is applied a second time: every
+component gets half its rows, ``make_fsdp_dtensor`` rebuilds it as a TP-global DTensor twice too
+small, and the save dies in ``validate_uneven_dtensor`` with
+``AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed``.
+A plain-Tensor optimizer state (FusedAdam's local shard) dies in ``data.to_local()``.
+
+Why 0.19.x too: 0.19 detects the TP-local case by ``data.shape[split_dim] == sum(split_sizes)``
+per rank and then takes ``split_dtensor`` (one ``all_gather_object`` per sharded mesh dim to find
+offsets, and another per component to attach chunk metadata), while the other branch runs
+``make_fsdp_dtensor(run_check=True)`` (``all_gather_object`` + ``all_reduce`` per component, and
+another ``all_gather_object``). The choice depends on what *this* rank holds: where ranks disagree
+(a plain Tensor on one rank, a DTensor on another; a TP-local DTensor on one, a TP-global one on
+another; optimizer state on some ranks only) the collectives do not pair up and the job hangs.
+The fast path also writes the TP-local tensor as if it were global, so both TP ranks write the
+same chunk of ``...in_proj.weight.query`` and one TP rank's values are lost (no TP resharding).
+So the replacement is applied on 0.19.x as well: it is the same function with both branches
+replaced by one rank-independent computation.
+
+How: a replacement ``handle_gdn_in_state_dict`` (module-level, bound in
+``megatron.core.transformer.fsdp_dtensor_checkpoint`` and in every module that imported it by name)
+keeps upstream's key matching and dict handling and splits without any collective. Whatever
+``data`` is (TP-global DTensor, TP-local DTensor, plain local Tensor), its local part is this rank's
+Megatron-FSDP slice of the TP-local fused parameter (``dist_param.megatron_fsdp_slice``); the TP
+size and rank come from the parameter's ``FSDPDistributedIndex`` mesh coordinates, the component
+sizes from the GDN module. From those alone every rank computes each component's piece (a view,
+so loading into it writes straight back into the fused tensor), its TP-global shape
+``(size * tp, ...)`` and its chunk offset ``tp_rank * size + rows before this rank's slice``, and
+attaches the chunk metadata DCP reads. The result is the checkpoint upstream's working branch
+writes for the ordinary (TP-global) layout, on every rank, for every input layout.
 """
 
-from ..engine.fix import Fix
+from __future__ import annotations
+
+import types
+
+from ..engine.fix import Fix, Target
+from ..engine.patching import Patcher, is_replacement, mark, original
+
+ID = "gdn-fsdp-split"
+MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+NAME = "handle_gdn_in_state_dict"
+
+# Modules known to bind the function by name (the engine rebinds every loaded module anyway).
+ALIAS_SITES = ("megatron.bridge.training.checkpointing",)
+
+# -- replacement ---------------------------------------------------------------------------------
+# Everything from here to "end of replacement" is also what tools/patchgen/gdn_fsdp_split.py writes
+# into fsdp_dtensor_checkpoint.py for the source diffs (with ``sys.modules[MODULE]`` read as the
+# module itself and ``@mark`` dropped), so the monkeypatch and the diffs cannot drift apart. Names
+# the upstream module uses (``DTensor``, ``HAVE_MEGATRON_FSDP``) are looked up in that module.
+
+_GDN_IN_PROJ_NAMES = ("query", "key", "value", "z", "beta", "alpha")
+_GDN_CONV1D_NAMES = ("query", "key", "value")
+
+
+def _gdn_strip_wrappers(path):
+    parts = path.split(".")
+    while parts and parts[0] in ("module", "model"):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+@mark(ID)
+def handle_gdn_in_state_dict(model, model_state_dict, optimizer_state_dict):
+    """Split GDN fused projections (in_proj 6-way, conv1d 3-way) into per-component DTensors.
+
+    Same keys, and the checkpoint upstream writes for TP-global tensors; issues no collective, so
+    every rank takes the same steps whatever tensor type or layout it holds (TP-global or TP-local
+    DTensor, plain local Tensor).
+    """
+    import sys
+
+    upstream = sys.modules[MODULE]
+    assert upstream.HAVE_MEGATRON_FSDP, "This function requires Megatron-FSDP to be installed."
+
+    gdn = {}  # normalized module path -> (in_proj sizes, conv1d sizes, tp_size of the module)
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "qk_dim") and hasattr(mod, "v_dim") and hasattr(mod, "in_proj_dim")):
+            continue
+        tp = getattr(mod, "tp_size", 1)
+        qk, v, nvh = mod.qk_dim // tp, mod.v_dim // tp, mod.num_value_heads // tp
+        gdn[_gdn_strip_wrappers(name)] = ([qk, qk, v, v, nvh, nvh], [qk, qk, v], tp)
+    if not gdn:
+        return model_state_dict, optimizer_state_dict
+
+    params = None  # normalized name -> parameter, built only if upstream's lookup misses
+
+    def match(key):
+        norm = _gdn_strip_wrappers(key)
+        for path, (in_proj, conv1d, tp) in gdn.items():
+            if not norm.startswith(path + "."):
+                continue
+            rel = norm[len(path) + 1 :]
+            if rel == "in_proj.weight":
+                return in_proj, _GDN_IN_PROJ_NAMES, tp
+            if rel in ("conv1d.weight", "conv1d.bias"):
+                return conv1d, _GDN_CONV1D_NAMES, tp
+        return None
+
+    def parameter(name):
+        nonlocal params
+        try:
+            return model.get_parameter(name)
+        except AttributeError:
+            if params is None:
+                params = {_gdn_strip_wrappers(n): p for n, p in model.named_parameters()}
+            try:
+                return params[_gdn_strip_wrappers(name)]
+            except KeyError:
+                raise AttributeError(f"[GDN] no parameter {name!r} in the model") from None
+
+    model_state_dict = model_state_dict.copy()
+    count = 0
+    for key in list(model_state_dict.keys()):
+        found = match(key)
+        if found is None:
+            continue
+        sizes, names, tp = found
+        dist_param = parameter(f"module.{key}")
+        pieces = split_gdn_fused(model_state_dict[key], dist_param, sizes, tp, key, upstream.DTensor)
+        for sub, tensor in zip(names, pieces):
+            model_state_dict[f"{key}.{sub}"] = tensor
+        del model_state_dict[key]
+        count += 1
+    if count:
+        import logging  # lazily: import mcore_ckpt_fixes stays light
+
+        logging.getLogger(MODULE).info(f"[GDN] Split {count} fused keys into sub-tensors (in_proj/conv1d → query/key/value/...).")
+
+    if optimizer_state_dict is not None:
+        optimizer_state_dict = optimizer_state_dict.copy()
+        if len(optimizer_state_dict["state"]) != 0:
+            state = optimizer_state_dict["state"]
+            new_state = {}
+            for key in list(state.keys()):
+                found = match(key)
+                if found is None:
+                    new_state[key] = state[key]
+                    continue
+                sizes, names, tp = found
+                for sub in names:
+                    new_state[f"{key}.{sub}"] = state[key].copy()
+                dist_param = parameter(key[len("module.") :] if key.startswith("module.") else key)
+                for subkey in ("exp_avg", "exp_avg_sq"):
+                    if subkey not in state[key]:
+                        continue
+                    pieces = split_gdn_fused(state[key][subkey], dist_param, sizes, tp, f"{key}/{subkey}", upstream.DTensor)
+                    for sub, tensor in zip(names, pieces):
+                        new_state[f"{key}.{sub}"][subkey] = tensor
+            optimizer_state_dict["state"] = new_state
+
+    return model_state_dict, optimizer_state_dict
+
+
+def _gdn_tp_coordinates(dist_param):
+    """(tp_size, tp_rank) of this rank, read from the parameter's mesh (local: no collective)."""
+    index = getattr(dist_param, "megatron_fsdp_dist_index", None)
+    tp_dim = getattr(index, "tp_dim", None)
+    mesh = getattr(index, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if tp_dim is None or tp_dim not in names:
+        return 1, 0
+    dim = names.index(tp_dim)
+    return mesh.size(dim), mesh.get_local_rank(dim)
+
+
+def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
+    """This rank's pieces of a fused GDN tensor, as TP-global DTensors with their chunk metadata.
+
+    Everything it decides on comes from metadata identical on every rank (the parameter's global
+    shape, the module's sizes, the mesh) plus this rank's own coordinates: no collective.
+    ``DTensor``: the class as the Megatron module names it (the probe swaps in an inert stand-in).
+    """
+    import math
+
+    import torch
+
+    local = data.to_local() if isinstance(data, DTensor) else data
+    tp_size, tp_rank = _gdn_tp_coordinates(dist_param)
+    local_rows = sum(split_sizes)
+    row_shape = list(dist_param.shape[1:])
+    row_numel = math.prod(row_shape)
+    total = local_rows * row_numel
+    if module_tp != tp_size or dist_param.shape[0] != local_rows * tp_size:
+        raise ValueError(
+            f"[GDN] {key}: parameter shape {tuple(dist_param.shape)} does not hold {tp_size} TP "
+            f"shards of {local_rows} rows (module tp_size={module_tp}, mesh TP size={tp_size})"
+        )
+    fsdp_slice = getattr(dist_param, "megatron_fsdp_slice", None)
+    n = local.numel()
+    if fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n:
+        start, stop = fsdp_slice.start, fsdp_slice.stop
+    elif n == total:
+        start, stop = 0, total  # an unsharded local copy of the TP-local tensor
+    else:
+        raise ValueError(
+            f"[GDN] {key}: local part has {n} elements; expected this rank's Megatron-FSDP slice "
+            f"({None if fsdp_slice is None else fsdp_slice.stop - fsdp_slice.start}) or the whole "
+            f"TP-local tensor ({total})"
+        )
+    if start % row_numel or stop % row_numel:
+        raise ValueError(f"[GDN] {key}: Megatron-FSDP slice {start}:{stop} is not row-aligned ({row_numel})")
+
+    if isinstance(dist_param, DTensor):
+        mesh, placements = dist_param.device_mesh, dist_param.placements
+    elif isinstance(data, DTensor):
+        mesh, placements = data.device_mesh, data.placements
+    else:
+        raise TypeError(f"[GDN] {key}: neither the data nor the parameter is a DTensor")
+
+    flat = local.reshape(-1)  # a view for the contiguous local shards Megatron-FSDP hands out
+    pieces = []
+    row = 0
+    for size in split_sizes:
+        lo = max(start, row * row_numel)
+        hi = min(stop, (row + size) * row_numel)
+        if lo >= hi:
+            lo = hi = max(min(start, (row + size) * row_numel), row * row_numel)
+            part = flat[0:0].view(0, *row_shape)
+        else:
+            part = flat[lo - start : hi - start].view(-1, *row_shape)
+        global_shape = [size * tp_size] + row_shape
+        offsets = [tp_rank * size + (lo - row * row_numel) // row_numel] + [0] * len(row_shape)
+        piece = DTensor.from_local(
+            part,
+            device_mesh=mesh,
+            placements=placements,
+            run_check=False,
+            shape=torch.Size(global_shape),
+            stride=torch.empty(global_shape, device="meta").stride(),
+        )
+        _gdn_attach_chunk(piece, offsets)
+        pieces.append(piece)
+        row += size
+    return pieces
+
+
+def _gdn_attach_chunk(dtensor, offsets):
+    """Give DCP this rank's chunk, as Megatron-FSDP's uneven-DTensor metadata does, but computed locally."""
+    from functools import partial
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    chunk = ChunkStorageMetadata(offsets=tuple(offsets), sizes=tuple(dtensor.to_local().shape))
+    # partials of module-level functions, not closures: they pickle with the tensor if anyone does.
+    dtensor._local_tensor.__create_chunk_list__ = partial(_gdn_chunk_list, chunk)
+    dtensor._local_tensor.__create_write_items__ = partial(_gdn_write_items, chunk)
+
+
+def _gdn_chunk_list(chunk):
+    return [chunk]
+
+
+def _gdn_write_items(chunk, fqn, tensor):
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    local = tensor.to_local()
+    if local.numel() == 0:
+        return []
+    return [
+        WriteItem(
+            type=WriteItemType.SHARD,
+            index=MetadataIndex(fqn, chunk.offsets),
+            tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=tensor.size()
+            ),
+        )
+    ]
+
+
+# -- end of replacement ----------------------------------------------------------------------------
+
+
+# -- probe: the real function on inert stand-ins ---------------------------------------------------
+
+
+class _ProbeDone(Exception):
+    pass
+
+
+def probe(module: types.ModuleType):
+    fn = module.__dict__.get(NAME)
+    if is_replacement(fn):
+        fn = original(module, NAME)  # re-probed after apply (reload): judge upstream's code
+    if fn is None:
+        return None, f"{MODULE} has no {NAME} (GDN support absent)"
+    if not getattr(module, "HAVE_MEGATRON_FSDP", False):
+        return None, "Megatron-FSDP is not importable here"
+    import torch
+
+    tp, rows, cols = 2, 2 + 2 + 2 + 2 + 1 + 1, 4  # TP-local in_proj: q,k,v,z = 2 rows, b,a = 1
+
+    mesh = types.SimpleNamespace(mesh_dim_names=("tp",), size=lambda dim=0: tp, get_local_rank=lambda dim=0: 0)
+    built = []  # (local rows, global rows) of every DTensor a collective-free split builds itself
+
+    class FakeDTensor:  # stands in for DTensor in the module's namespace only, during the probe
+        device_mesh, placements = mesh, ()
+
+        def __init__(self, local, shape=None):
+            self.local, self._local_tensor = local, local
+            self.shape = local.shape if shape is None else shape
+
+        def numel(self):
+            return self.local.numel()
+
+        def to_local(self):
+            return self.local
+
+        @classmethod
+        def from_local(cls, local, device_mesh=None, placements=None, run_check=False, shape=None, stride=None):
+            built.append((local.shape[0], shape[0]))
+            return cls(local, shape)
+
+    class Gdn(torch.nn.Module):
+        qk_dim, v_dim, in_proj_dim, num_value_heads, tp_size = 2 * tp, 2 * tp, 10 * tp, 1 * tp, tp
+
+        def __init__(self):
+            super().__init__()
+            self.in_proj = torch.nn.Module()
+            w = torch.nn.Parameter(torch.empty(rows * tp, cols, device="meta"))
+            w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, 0, 1
+            w.megatron_fsdp_slice = slice(0, rows * cols)
+            w.megatron_fsdp_dist_index = types.SimpleNamespace(
+                tp_dim="tp", device_mesh=mesh, get_submesh=lambda *a, **k: types.SimpleNamespace(mesh=torch.empty(tp))
+            )
+            self.in_proj.weight = w
+
+    model = torch.nn.Module()
+    model.module = torch.nn.Module()
+    model.module.gdn = Gdn()
+    seen = {}
+
+    def record(name):
+        def recorder(local_tensor, *args, **kwargs):
+            seen[name] = local_tensor
+            raise _ProbeDone
+
+        return recorder
+
+    names = ("DTensor", "make_fsdp_dtensor", "split_dtensor")
+    saved = {n: module.__dict__[n] for n in names if n in module.__dict__}
+    module.DTensor = FakeDTensor
+    module.make_fsdp_dtensor = record("make_fsdp_dtensor")
+    module.split_dtensor = record("split_dtensor")
+    try:
+        fn(model, {"gdn.in_proj.weight": FakeDTensor(torch.zeros(rows, cols))}, None)
+    except _ProbeDone:
+        pass
+    finally:
+        for n in names:
+            if n in saved:
+                setattr(module, n, saved[n])
+            else:
+                delattr(module, n)
+    if "split_dtensor" in seen:
+        return True, (
+            "split_gdn_fused picks a per-rank fast path (split_dtensor) for TP-local DTensors whose "
+            "collectives differ from the other branch (hang risk, #4910)"
+        )
+    if "make_fsdp_dtensor" in seen:
+        got = seen["make_fsdp_dtensor"].numel()
+        if got != 2 * cols:
+            return True, f"split_gdn_fused splits a TP-local tensor by TP again (query got {got} of {2 * cols} elements)"
+        return False, "split_gdn_fused keeps a TP-local tensor's component sizes"
+    if built:
+        # No Megatron-FSDP helper (and so no collective) was called: the split was computed locally
+        # (this package's version, or its source diff). Query: 2 local rows of a 2 * tp-row tensor.
+        if built[0] == (2, 2 * tp):
+            return False, "the GDN split is computed locally on every rank (no per-rank branch, no collective)"
+        return True, f"the GDN split gives query {built[0][0]} of {built[0][1]} rows (expected 2 of {2 * tp})"
+    return None, "handle_gdn_in_state_dict no longer calls make_fsdp_dtensor or split_dtensor"
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    patcher.replace_function(module, NAME, handle_gdn_in_state_dict)
+
 
 FIX = Fix(
-    id="gdn-fsdp-split",
-    summary="fsdp_dtensor save of Gated-DeltaNet fused projections applies the TP split twice",
-    affected=">=0.18.0,<0.19.0",
-    implemented=False,
-    tracking="issue #5",
+    id=ID,
+    summary="fsdp_dtensor save of Gated-DeltaNet fused projections: TP split applied twice (0.18), "
+    "per-rank fast path with mismatched collectives (0.19); replaced by a collective-free split",
+    affected=">=0.18.0,<0.20.0",
+    upstream=(
+        "NVIDIA/Megatron-LM#4748/#4753/#4843 (0.19 fast path for TP-local GDN tensors)",
+        "NVIDIA/Megatron-LM#4910 (hang when ranks take different branches)",
+        "NVIDIA/Megatron-LM#4423 (plain-Tensor optimizer states)",
+    ),
+    targets=(Target(MODULE, probe, apply, alias_sites=ALIAS_SITES),),
 )

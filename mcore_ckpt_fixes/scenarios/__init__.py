@@ -85,9 +85,10 @@ class Scenario:
     so each world forks warm). ``nproc``: the world size the scenario is written for.
     """
 
-    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc")
+    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc", "requires")
 
-    def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc=""):
+    def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc="",
+                 requires=()):
         self.fix_id = fix_id
         self.name = name
         self.func = func
@@ -97,6 +98,32 @@ class Scenario:
         self.devices = tuple(devices)
         self.timeout = timeout
         self.doc = doc
+        self.requires = tuple(requires)
+
+    def absent(self):
+        """The first of ``requires`` (``"module:attribute"``: the Megatron feature the scenario
+        exercises) that this installation lacks, as a sentence; None when all are there."""
+        for ref in self.requires:
+            module_name, _, attr = ref.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                return f"{module_name} is not importable"
+            if attr and not hasattr(module, attr):
+                return f"{module_name} has no {attr}"
+        return None
+
+    def bug_for(self, version):
+        """The :class:`Bug` the fix-off half shows on ``version`` (a ``packaging`` Version or None);
+        None where no declared release line matches."""
+        if isinstance(self.bug, Bug):
+            return self.bug
+        from packaging.specifiers import SpecifierSet
+
+        for spec, bug in self.bug.items():
+            if version is not None and version in SpecifierSet(spec, prereleases=True):
+                return bug
+        return None
 
     @property
     def id(self) -> str:
@@ -139,6 +166,30 @@ SCENARIOS = (
         Bug.raises("sharded_state_dict", _TP_GROUP_NOT_INIT),
         prepare=f"{_TP}:prepare",
         doc="a small RADIOViTModel (TP=2, no parallel_state)",
+    ),
+)
+
+
+_GDN = "mcore_ckpt_fixes.scenarios.gdn_fsdp_split"
+# gdn-fsdp-split, unpatched: 0.18 applies the TP split twice and the save stops in
+# validate_uneven_dtensor; 0.19's fast path saves the TP-local pieces as if TP-global, so the TP
+# ranks write colliding chunks and load each other's values.
+_GDN_REQUIRES = ("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_gdn_in_state_dict",)
+_GDN_TP_LOCAL_BUG = {
+    "<0.19": Bug.raises("preprocess", "AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed."),
+    ">=0.19": Bug.wrong_values(),
+}
+
+SCENARIOS += (
+    Scenario(
+        "gdn-fsdp-split", "tp2_local", f"{_GDN}:tp2_local", 2, _GDN_TP_LOCAL_BUG,
+        prepare=f"{_GDN}:prepare", devices=("cpu",), timeout=120, requires=_GDN_REQUIRES,
+        doc="GDN in_proj/conv1d as TP-local Megatron-FSDP DTensors (TP=2, uneven FSDP shards), DCP save/load",
+    ),
+    Scenario(
+        "gdn-fsdp-split", "tp2_local_optimizer", f"{_GDN}:tp2_local_optimizer", 2, _GDN_TP_LOCAL_BUG,
+        prepare=f"{_GDN}:prepare", devices=("cpu",), timeout=120, requires=_GDN_REQUIRES,
+        doc="the same with Adam exp_avg/exp_avg_sq state",
     ),
 )
 

@@ -100,3 +100,22 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
         for rank, r in enumerate(ranks):
             assert r["error"] is None, (name, rank, r["error"])
             assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (name, rank, r["max_delta"])
+
+
+def _patchgen_for(fix_id):
+    return os.path.join(ROOT, "tools", "patchgen", fix_id.replace("-", "_") + ".py")
+
+
+@pytest.mark.parametrize("fix_id", _implemented_fixes_with_patches())
+def test_committed_patch_is_what_patchgen_writes_today(fix_id, mcore_version, pristine_megatron):
+    """The diff is generated from the monkeypatch's own edits or code: regenerating it from this
+    release's pristine source must give the committed file byte for byte (edit one, regenerate both)."""
+    patch_file = _patch_for(fix_id, mcore_version)
+    if not os.path.exists(patch_file):
+        assert mcore_version not in ENGINE.discover()[fix_id].specifiers
+        return
+    src_root = os.path.dirname(pristine_megatron)
+    proc = subprocess.run([sys.executable, _patchgen_for(fix_id), src_root, str(mcore_version)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with open(patch_file, encoding="utf-8") as f:
+        assert proc.stdout == f.read(), f"{patch_file} is stale: run {_patchgen_for(fix_id)} {src_root} {mcore_version}"

@@ -1,0 +1,66 @@
+"""Write patches/gdn-fsdp-split/<release>.patch from pristine Megatron-Core sources.
+
+The diff replaces upstream's ``handle_gdn_in_state_dict`` (with its nested ``split_gdn_fused``) in
+``megatron/core/transformer/fsdp_dtensor_checkpoint.py`` by the code between the "replacement"
+markers of mcore_ckpt_fixes/fixes/gdn_fsdp_split.py, taken verbatim except for two mechanical edits:
+``@mark(ID)`` is dropped and ``MODULE`` (the upstream module's name) is read as ``__name__``. The
+monkeypatch and the diff are the same code by construction; tests/patches/test_source_patches.py
+checks that the patched source satisfies the fix's probe and round-trips with the monkeypatch off.
+
+    python tools/patchgen/gdn_fsdp_split.py SRC_ROOT RELEASE > patches/gdn-fsdp-split/RELEASE.patch
+SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+"""
+
+import difflib
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIX_MODULE = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", "gdn_fsdp_split.py")
+TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
+BEGIN, END = "# -- replacement ---", "# -- end of replacement ---"
+UPSTREAM_DEF, UPSTREAM_NEXT = "def handle_gdn_in_state_dict(", "def handle_fp8_extra_state_case("
+
+
+def replacement_code() -> str:
+    with open(FIX_MODULE, encoding="utf-8") as f:
+        text = f.read()
+    start, stop = text.index(BEGIN), text.index(END)
+    body = text[start:stop]
+    body = body[body.index("\n\n") + 2 :]  # drop the marker comment block: it speaks of the fix module
+    lines = [ln for ln in body.splitlines(keepends=True) if ln.strip() != "@mark(ID)"]
+    code = "".join(lines).replace("sys.modules[MODULE]", "sys.modules[__name__]")
+    code = code.replace("logging.getLogger(MODULE)", "logging.getLogger(__name__)")
+    for name in ("MODULE", "ID", "NAME", "mark"):
+        if re.search(rf"\b{name}\b", code):
+            raise SystemExit(f"patchgen: the replacement still refers to the fix module's {name!r}")
+    header = (
+        "# GDN fused projections (in_proj q/k/v/z/b/a, conv1d q/k/v) are split without any collective:\n"
+        "# every rank derives its pieces, their TP-global shapes and chunk offsets from metadata that is\n"
+        "# identical on all ranks plus its own mesh coordinates, whatever layout it holds (TP-global or\n"
+        "# TP-local DTensor, plain local Tensor). No per-rank branch, so ranks cannot diverge and hang.\n"
+    )
+    return header + code.rstrip("\n") + "\n\n\n"
+
+
+def patch_text(text: str) -> str:
+    if text.count(UPSTREAM_DEF) != 1 or text.count(UPSTREAM_NEXT) != 1:
+        raise SystemExit(f"patchgen: {TARGET}: anchors {UPSTREAM_DEF!r} / {UPSTREAM_NEXT!r} not found exactly once")
+    start, stop = text.index(UPSTREAM_DEF), text.index(UPSTREAM_NEXT)
+    return text[:start] + replacement_code() + text[stop:]
+
+
+def main(src_root: str, release: str) -> None:
+    with open(os.path.join(src_root, TARGET), encoding="utf-8") as f:
+        before = f.read()
+    after = patch_text(before)
+    sys.stdout.writelines(
+        difflib.unified_diff(
+            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{TARGET}", f"b/{TARGET}"
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
