@@ -27,8 +27,10 @@ def run_rank(job: dict, rank: int, result_path: str) -> int:
         if job["backend"] == "gloo":
             from . import cpu_shims
 
-            cpu_shims.install()
-        else:
+            cpu_shims.install()  # a no-op where CUDA is available
+        if torch.cuda.is_available():
+            # NCCL needs one GPU per rank; a gloo world on a GPU host (CUDA tensors, fewer GPUs
+            # than ranks) shares them round-robin.
             torch.cuda.set_device(rank % torch.cuda.device_count())
 
         # Re-read the fix flags of this world: a forked rank inherits the parent's patch state.

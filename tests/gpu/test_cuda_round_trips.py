@@ -1,0 +1,65 @@
+"""Every registered scenario written for CUDA, on this machine's GPUs (``pytest -m gpu``).
+
+Both halves, as on CPU: with the fix off the documented bug shows on a release that needs the fix
+(the round trip is exact on one that does not); with it on, every rank is exact and its tensors
+were on a GPU. No CPU shims: the worker installs none where CUDA is available, so Megatron's real
+``torch.cuda`` calls run.
+
+Backend: NCCL when there is a GPU per rank. NCCL refuses two ranks on one device, so on a
+single-GPU machine the ranks share GPU 0 over gloo (CUDA tensors, real CUDA calls; the collectives
+are gloo's). Which one ran is printed and recorded in docs/gpu-runs.md.
+
+Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
+"""
+
+import os
+import tempfile
+
+import pytest
+
+from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.scenarios import SCENARIOS, resolve
+
+pytestmark = pytest.mark.gpu
+
+CUDA_SCENARIOS = [s for s in SCENARIOS if "cuda" in s.devices and ENGINE.discover()[s.fix_id].implemented]
+
+
+def _backend(nproc):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("pytest -m gpu was asked for, but CUDA is not available to this torch")
+    return "nccl" if torch.cuda.device_count() >= nproc else "gloo"
+
+
+@pytest.mark.parametrize("scenario", CUDA_SCENARIOS, ids=[s.id for s in CUDA_SCENARIOS])
+def test_cuda_round_trip(scenario, mcore_version, capsys):
+    absent = scenario.absent()
+    if absent:
+        pytest.skip(f"not applicable to Megatron-Core {mcore_version}: {absent}")
+    if scenario.prepare:
+        resolve(scenario.prepare)()
+    backend = _backend(scenario.nproc)
+    affected = mcore_version in ENGINE.discover()[scenario.fix_id].specifiers
+
+    def world(patched):
+        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+        kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
+        return run_world(scenario.func, scenario.nproc, kwargs, backend=backend, env=env, timeout=scenario.timeout)
+
+    off = values(world(False))
+    on = values(world(True))
+    with capsys.disabled():
+        print(f"\n{scenario.id}: backend {backend}, devices {[r.get('device') for r in on]}, "
+              f"fix off: {[r['error'] for r in off]}, fix on max delta: {[max(r['max_delta'].values()) for r in on]}")
+    if affected:
+        assert scenario.bug_for(mcore_version).seen_in(off), [(r["phase"], r["error"]) for r in off]
+    else:
+        for r in off:
+            assert r["error"] is None and set(r["max_delta"].values()) == {0.0}, r
+    for rank, r in enumerate(on):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert str(r.get("device", "")).startswith("cuda"), (rank, r.get("device"))
