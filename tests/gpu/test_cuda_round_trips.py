@@ -47,7 +47,9 @@ def test_cuda_round_trip(scenario, mcore_version, capsys):
     def world(patched):
         env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
         kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
-        return run_world(scenario.func, scenario.nproc, kwargs, backend=backend, env=env, timeout=scenario.timeout)
+        # spawn: importing Megatron here may already have initialised CUDA, which a fork cannot inherit.
+        return run_world(scenario.func, scenario.nproc, kwargs, backend=backend, method="spawn", env=env,
+                         timeout=scenario.timeout)
 
     off = values(world(False))
     on = values(world(True))
