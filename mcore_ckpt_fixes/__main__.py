@@ -47,8 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p_self.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo, forked ranks (default); cuda: NCCL, spawned ranks, one GPU each")
-    p_self.add_argument("--nproc", type=_positive_int, default=2,
-                        help="ranks per world (default 2; a scenario written for another size is skipped)")
+    p_self.add_argument("--nproc", type=_positive_int, default=None,
+                        help="run only the scenarios written for this many ranks (default: every scenario, "
+                             "each at the world size it is written for)")
     p_self.add_argument("--json", action="store_true", help="print a JSON list of objects, one per fix")
     args = parser.parse_args(argv)
     if args.command is None:

@@ -251,9 +251,19 @@ def _stack(device, nproc):
     if not dist.is_nccl_available():
         return torch.__version__, "this torch build has no NCCL backend"
     count = torch.cuda.device_count()
-    if count < nproc:
+    if nproc is not None and count < nproc:
         return torch.__version__, f"--nproc {nproc} needs {nproc} GPUs, {count} visible"
     return torch.__version__, None
+
+
+def _gpus_short(device, nproc):
+    """Why a --device cuda world of ``nproc`` ranks cannot run here (NCCL: one GPU per rank), or None."""
+    if device != "cuda":
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    return f"needs {nproc} GPUs (NCCL, one per rank), {count} visible" if count < nproc else None
 
 
 def _set_aside_user_flags():
@@ -280,7 +290,7 @@ def _prepare(scenarios):
 # -- main ------------------------------------------------------------------------------------------
 
 
-def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
+def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     from mcore_ckpt_fixes.scenarios import for_fix
 
     info = detect()
@@ -342,14 +352,18 @@ def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
             _progress(f"selftest [{i}/{len(runnable)}] {scenario.id}: ")
             skip = stack_skip
             absent = None if skip else scenario.absent()
-            if entry["state"] == "not-applicable":  # nothing to build: the patched feature is absent
+            if skip:  # the stack itself cannot run any scenario (no CUDA, no gloo ...): say that
+                pass
+            elif entry["state"] == "not-applicable":  # nothing to build: the patched feature is absent
                 skip = f"not applicable to this release: {entry['reason']}"
             elif absent:
                 skip = f"not applicable to this release: {absent}"
             elif device not in scenario.devices:
                 skip = f"not written for --device {device}"
-            elif nproc != scenario.nproc:
+            elif nproc is not None and nproc != scenario.nproc:
                 skip = f"written for exactly {scenario.nproc} ranks; --nproc {nproc} asked"
+            elif _gpus_short(device, scenario.nproc):
+                skip = _gpus_short(device, scenario.nproc)
             elif scenario.prepare in problems:
                 kind, why = problems[scenario.prepare]
                 skip = why if kind == "skip" else None
@@ -368,7 +382,7 @@ def run(device: str = "cpu", nproc: int = 2, as_json: bool = False) -> int:
                 result = {"skipped": None, "reproduced": None, "exact": False, "seconds": 0.0, "error": why}
                 _progress(f"NOT RUN: {why}", "\n")
             else:
-                result = _run_scenario(scenario, entry["needed"], device, nproc, run_world, info.version)
+                result = _run_scenario(scenario, entry["needed"], device, scenario.nproc, run_world, info.version)
             entry["scenarios"].append(dict(base, **result))
             entry["seconds"] = round(entry["seconds"] + result["seconds"], 1)
 
@@ -458,7 +472,8 @@ def _verdict_text(e) -> str:
 def _print_table(rows, info, torch_version, device, nproc, code, total) -> None:
     how = "gloo, forked ranks" if device == "cpu" else "nccl, spawned ranks, one GPU each"
     print(f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__} selftest: {info.describe()}; "
-          f"torch {torch_version}; --device {device} ({how}), --nproc {nproc}")
+          f"torch {torch_version}; --device {device} ({how}), "
+          + (f"--nproc {nproc}" if nproc is not None else "each scenario at its own world size"))
     pending = [e for e in rows if not e["implemented"]]
     for e in rows:
         if not e["implemented"]:

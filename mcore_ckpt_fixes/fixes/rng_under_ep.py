@@ -1,14 +1,321 @@
-"""rng-under-ep: torch_dist RNG state is keyed (pp, tp): EP ranks > 0 resume on another rank's streams.
+"""rng-under-ep: every rank saves and restores its own RNG state in ``torch_dist`` checkpoints.
 
-Registered so that ``status`` lists it honestly; not implemented yet (issue #6): nothing is patched.
+Affected: Megatron-Core 0.17.0 - 0.19.2 (``megatron/training`` ships in the wheel from 0.17.0). Fixed
+only on upstream main (NVIDIA/Megatron-LM PR #6858, "restore each rank's own RNG state on checkpoint
+load"; Megatron-Bridge followed with the same per-rank layout, NVIDIA-NeMo/Megatron-Bridge #5988).
+
+Failure prevented: ``megatron.training.checkpointing.get_rng_state`` describes the ``torch_dist`` RNG
+state as ``ShardedObject('rng_state', ..., (pp_size, tp_size), (pp_rank, tp_rank),
+replica_id=dp_cp_rank)``: the data-parallel ranks of one (pp, tp) are declared replicas, so only one
+of them writes and all of them restore its copy. They are not replicas: the expert-parallel RNG
+tracker stream is seeded per EP rank (``seed + 1024 + 100 * ep_rank + etp_rank``) and EP lives inside
+the data-parallel group. After a resume every EP rank > 0 draws the MoE router noise and expert
+dropout of another rank (and Python / NumPy / torch / CUDA RNG state of that rank too).
+
+How:
+
+* save: ``get_rng_state`` (wrapped; the original still gathers the data-parallel states when
+  ``--data-parallel-random-init`` asks for it) returns the same object laid out per rank:
+  global shape ``(pp_size, tp_size, dp_cp_size)``, offset ``(pp_rank, tp_rank, dp_cp_rank)``,
+  ``replica_id=0``. (pp, tp, dp_cp) names every rank of the dense grid exactly once, so every rank
+  writes its own shard. This is the layout upstream main writes and reads, so a checkpoint saved
+  with this fix loads on the first upstream release that has it.
+* load: ``_load_global_dist_base_checkpoint`` (wrapped) looks at the shards the checkpoint holds for
+  the RNG key before loading, and asks for what is there:
+
+  - the per-rank layout: this rank's shard (also after a data-parallel resize, while the rank's
+    dp_cp index exists in the checkpoint; a rank beyond it keeps its current RNG state, with a
+    ``MegatronPatchWarning``);
+  - the old 2-D ``(pp, tp)`` layout written by an unfixed release: the one copy of this (pp, tp),
+    which is the best state there is (this rank's own only on dp_cp rank 0, or with
+    ``--data-parallel-random-init``, whose list holds every data-parallel rank's state), with a
+    ``MegatronPatchWarning`` that names the old layout. Never silently.
+
+An unfixed release cannot read the RNG state of a checkpoint written with this fix: the shard shape
+is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.
+It stops in ``load_checkpoint``; ``--no-load-rng`` (or applying this fix) gets past it.
+
+Only ``torch_dist`` is changed: the ``fsdp_dtensor`` and ``torch_dcp`` RNG entries are plain
+(non-sharded) objects and are left as the release writes them.
 """
 
-from ..engine.fix import Fix
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import types
+
+from ..engine.fix import Fix, Target
+from ..engine.patching import Patcher, mark, original
+
+ID = "rng-under-ep"
+MODULE = "megatron.training.checkpointing"
+
+_SIGNATURES: dict = {}
+
+
+def _bind(func, args, kwargs):
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = _SIGNATURES[func] = inspect.signature(func)
+    return sig.bind(*args, **kwargs)
+
+
+def _is_rng_object(obj) -> bool:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return isinstance(obj, ShardedObject) and obj.key.endswith("rng_state")
+
+
+def _dp_cp_rank_and_size(dp_cp_group):
+    """This rank's index in, and the size of, the data-parallel x context-parallel group: the one
+    Megatron uses as the RNG replica id (0.19 lets callers pass the group)."""
+    if dp_cp_group is not None:
+        from megatron.core.utils import get_pg_rank, get_pg_size
+
+        return get_pg_rank(dp_cp_group), get_pg_size(dp_cp_group)
+    from megatron.core import parallel_state as mpu
+
+    return (
+        mpu.get_data_parallel_rank(with_context_parallel=True),
+        mpu.get_data_parallel_world_size(with_context_parallel=True),
+    )
+
+
+# -- save side -------------------------------------------------------------------------------------
+
+
+@mark(ID)
+def get_rng_state(*args, **kwargs):
+    """``megatron.training.checkpointing.get_rng_state``, with the ``torch_dist`` object per rank."""
+    func = original(MODULE, "get_rng_state")
+    state = func(*args, **kwargs)
+    if not _is_rng_object(state) or len(state.global_shape) != 2:
+        return state  # torch / torch_dcp / fsdp_dtensor: a plain list or dict, left as the release writes it
+    try:
+        dp_cp_group = _bind(func, args, kwargs).arguments.get("dp_cp_group")
+    except TypeError:
+        dp_cp_group = None
+    dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(dp_cp_group)
+    return dataclasses.replace(
+        state,
+        global_shape=(*state.global_shape, dp_cp_size),
+        global_offset=(*state.global_offset, dp_cp_rank),
+        replica_id=0,  # no other rank holds this state: it must be written by this rank
+    )
+
+
+# -- load side -------------------------------------------------------------------------------------
+
+
+def _stored_rng_shards(checkpoint_dir, key):
+    """[(global_offset, global_shape)] of the shards the checkpoint holds for ``key``.
+
+    Reads the checkpoint's metadata only (what ``load_sharded_metadata`` reads), through Megatron's
+    own reader so that MSC URLs work as they do for the load itself.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies.torch import _get_filesystem_reader
+
+        reader = _get_filesystem_reader(checkpoint_dir)
+    except ImportError:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(str(checkpoint_dir))
+    prefix = f"{key}/shard_"
+    shards = []
+    for name in reader.read_metadata().state_dict_metadata:
+        if not name.startswith(prefix):
+            continue
+        offset, _, shape = name[len(prefix):].partition("_")
+        try:
+            shards.append((tuple(map(int, offset.split("."))), tuple(map(int, shape.split(".")))))
+        except ValueError:
+            continue
+    return shards
+
+
+def _align_rng_request(template, checkpoint_dir):
+    """(what to request instead of ``template`` or None for nothing, warning text or None)."""
+    shards = _stored_rng_shards(checkpoint_dir, template.key)
+    pp_tp_shape, pp_tp_offset = template.global_shape[:2], template.global_offset[:2]
+    dp_cp_rank, dp_cp_size = template.global_offset[2], template.global_shape[2]
+    where = f"(pp {pp_tp_offset[0]}, tp {pp_tp_offset[1]}, dp_cp {dp_cp_rank})"
+    per_rank = [(o, s) for o, s in shards if len(s) == 3 and s[:2] == pp_tp_shape and o[:2] == pp_tp_offset]
+    if per_rank:
+        stored_dp_cp = per_rank[0][1][2]
+        if stored_dp_cp == dp_cp_size:
+            return template, None
+        if dp_cp_rank < stored_dp_cp:
+            return dataclasses.replace(template, global_shape=(*pp_tp_shape, stored_dp_cp)), None
+        return None, (
+            f"mcore_ckpt_fixes: {ID}: {checkpoint_dir} holds RNG states for dp_cp ranks "
+            f"0..{stored_dp_cp - 1} only (saved with a smaller data-parallel size); this rank {where} "
+            f"keeps its current RNG state"
+        )
+    legacy = [(o, s) for o, s in shards if len(s) == 2 and s == pp_tp_shape and o == pp_tp_offset]
+    if legacy:
+        request = dataclasses.replace(
+            template, global_shape=pp_tp_shape, global_offset=pp_tp_offset, replica_id=dp_cp_rank
+        )
+        return request, (
+            f"mcore_ckpt_fixes: {ID}: {checkpoint_dir} stores the RNG state in the old 2-D (pp, tp) "
+            f"layout of an unfixed Megatron-Core (one copy per (pp, tp), written by a single "
+            f"data-parallel rank); this rank {where} restores that copy, which is another rank's "
+            f"state unless it was saved by this rank or with --data-parallel-random-init; the next "
+            f"save writes every rank's own state"
+        )
+    return template, None  # nothing recognisable: let Megatron report it as it would
+
+
+@mark(ID)
+def load_global_dist_base_checkpoint(*args, **kwargs):
+    """``megatron.training.checkpointing._load_global_dist_base_checkpoint``: request the RNG shard
+    in the layout the checkpoint has."""
+    func = original(MODULE, "_load_global_dist_base_checkpoint")
+    try:
+        bound = _bind(func, args, kwargs)
+    except TypeError:
+        return func(*args, **kwargs)  # let the original raise its own error
+    params = bound.arguments
+    sharded = params.get("sharded_state_dict")
+    template = sharded.get("rng_state") if isinstance(sharded, dict) else None
+    if params.get("rank0") or template is None or not _is_rng_object(template) or len(template.global_shape) != 3:
+        return func(*args, **kwargs)
+    module = sys.modules[MODULE]
+    checkpoint_dir = module.get_checkpoint_name(
+        params["load_dir"], params["iteration"], params["release"], return_base_dir=True
+    )
+    request, warning = _align_rng_request(template, checkpoint_dir)
+    if warning is not None:
+        import warnings
+
+        from ..engine.errors import MegatronPatchWarning
+
+        warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
+    if request is template:
+        return func(*args, **kwargs)
+    sharded = dict(sharded)  # the caller's dict stays as it built it
+    if request is None:
+        del sharded["rng_state"]
+    else:
+        sharded["rng_state"] = request
+    params["sharded_state_dict"] = sharded
+    result = func(*bound.args, **bound.kwargs)
+    if request is None:
+        # load_checkpoint restores whatever it finds under "rng_state": hand it this rank's current
+        # states (what get_rng_state collected for the request), so restoring changes nothing.
+        result[0]["rng_state"] = template.data
+    return result
+
+
+# -- probe: run the real get_rng_state on stand-ins for what it reads ---------------------------------
+
+
+class _Group:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+class _ProbeMpu:
+    """``parallel_state`` as one rank of pp=1, tp=1, dp_cp=2 sees it (nothing initialised)."""
+
+    def __init__(self, dp_rank):
+        self.dp_rank = dp_rank
+
+    def get_data_parallel_rank(self, with_context_parallel=False, partial_data_parallel=False):
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self, with_context_parallel=False, partial_data_parallel=False):
+        return 2
+
+    def get_data_parallel_group(self, with_context_parallel=False, partial_data_parallel=False):
+        return _Group(self.dp_rank, 2)
+
+    def get_pipeline_model_parallel_rank(self):
+        return 0
+
+    def get_tensor_model_parallel_rank(self):
+        return 0
+
+    def __getattr__(self, name):
+        raise AttributeError(f"probe stand-in for parallel_state has no {name}")
+
+
+class _Delegate:
+    """A namespace that answers from ``overrides`` first, then from ``real``."""
+
+    def __init__(self, real, **overrides):
+        self._real = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _probe_once(module, dp_rank):
+    import torch
+
+    fake_cuda = _Delegate(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
+    fake_dist = _Delegate(torch.distributed, is_initialized=lambda: False)
+    tracker = types.SimpleNamespace(get_states=lambda: {})
+    stand_ins = {
+        "get_args": lambda: types.SimpleNamespace(data_parallel_random_init=False),
+        "mpu": _ProbeMpu(dp_rank),
+        # The real CUDA generator and RNG tracker are not touched: no CUDA on the host, and
+        # get_cuda_rng_tracker() would create Megatron's global tracker with default settings.
+        "torch": _Delegate(torch, cuda=fake_cuda, distributed=fake_dist),
+        "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
+    }
+    saved = {name: module.__dict__[name] for name in stand_ins if name in module.__dict__}
+    missing = sorted(set(stand_ins) - set(saved))
+    if missing:
+        raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
+    module.__dict__.update(stand_ins)
+    try:
+        return module.get_rng_state("torch_dist", _Group(0, 1), _Group(0, 1))
+    finally:
+        module.__dict__.update(saved)
+
+
+def probe(module: types.ModuleType):
+    if not hasattr(module, "get_rng_state") or not hasattr(module, "_load_global_dist_base_checkpoint"):
+        return None, f"{MODULE} has no get_rng_state / _load_global_dist_base_checkpoint"
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+
+    first, second = _probe_once(module, 0), _probe_once(module, 1)
+    if not (isinstance(first, ShardedObject) and isinstance(second, ShardedObject)):
+        return None, "get_rng_state('torch_dist', ...) no longer returns a ShardedObject"
+    if first.unique_key != second.unique_key and is_main_replica(second.replica_id):
+        return False, "get_rng_state gives every data-parallel rank its own torch_dist RNG shard"
+    return True, (
+        f"get_rng_state keys the torch_dist RNG state by (pp, tp) only: data-parallel ranks 0 and 1 "
+        f"both address {first.unique_key} and rank 1 is a replica (replica_id={second.replica_id}), "
+        f"so EP ranks > 0 resume on another rank's RNG streams"
+    )
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    # replace_function: `from megatron.training.checkpointing import get_rng_state` elsewhere
+    # (user code, forks of the training loop) is rebound as well.
+    patcher.replace_function(module, "get_rng_state", get_rng_state)
+    patcher.replace_function(module, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)
+
 
 FIX = Fix(
-    id="rng-under-ep",
-    summary="torch_dist RNG state is keyed (pp, tp): EP ranks > 0 resume on another rank's streams",
+    id=ID,
+    summary="torch_dist RNG state is saved and restored per (pp, tp, dp_cp) rank: EP ranks > 0 keep their own streams",
     affected=">=0.17.0,<=0.19.2",
-    implemented=False,
-    tracking="issue #6",
+    upstream=(
+        "NVIDIA/Megatron-LM PR #6858 (upstream main only): each rank restores its own RNG state",
+        "NVIDIA-NeMo/Megatron-Bridge #5988: the same per-rank (pp, tp, dp_cp) RNG layout in Bridge",
+    ),
+    targets=(Target(MODULE, probe, apply),),
 )

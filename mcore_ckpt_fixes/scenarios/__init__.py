@@ -194,6 +194,17 @@ SCENARIOS += (
 )
 
 
+_RNG = "mcore_ckpt_fixes.scenarios.rng_under_ep"
+# rng-under-ep, unpatched: the round trip completes and EP rank 1 restores EP rank 0's RNG states.
+SCENARIOS += (
+    Scenario(
+        "rng-under-ep", "ep2_round_trip", f"{_RNG}:ep2_round_trip", 2, Bug.wrong_values(),
+        prepare=f"{_RNG}:prepare", timeout=180, requires=("megatron.training.checkpointing:get_rng_state",),
+        doc="Megatron's save_checkpoint / load_checkpoint, torch_dist, EP=2 GPTModel: every rank's RNG states",
+    ),
+)
+
+
 def for_fix(fix_id: str):
     """The scenarios registered for ``fix_id``, in declaration order (possibly none)."""
     return tuple(s for s in SCENARIOS if s.fix_id == fix_id)
