@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -21,8 +22,11 @@ def _import_targets() -> None:
             if target.module in sys.modules:
                 continue
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # Megatron's own import-time chatter
+                # Megatron's own import-time chatter stays off stdout (the --json output): warnings
+                # are silenced, and a logging handler megatron.training installs on import
+                # (a stdout StreamHandler on the root logger) is built while stdout is stderr.
+                with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+                    warnings.simplefilter("ignore")
                     importlib.import_module(target.module)
             except Exception as exc:
                 ENGINE.mark_unimportable(fix.id, target.module, f"{type(exc).__name__}: {exc}")

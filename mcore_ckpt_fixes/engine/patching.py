@@ -113,6 +113,7 @@ class Patcher:
                     self.replace(mod, attr, new)
 
     def revert(self) -> None:
+        restore = {}  # id(replacement function) -> (replacement, original), for the sweep below
         for rec in reversed(self.records):
             if rec.before is _MISSING:
                 try:
@@ -121,4 +122,22 @@ class Patcher:
                     pass
             else:
                 setattr(rec.owner, rec.name, rec.before)
+                if is_replacement(rec.after) and not is_replacement(rec.before):
+                    restore[id(rec.after)] = (rec.after, rec.before)
         self.records.clear()
+        if restore:
+            self._unbind_late_imports(restore)
+
+    @staticmethod
+    def _unbind_late_imports(restore) -> None:
+        """A module imported while the fix was applied bound the replacement itself with ``from x
+        import f``: no record covers it. Point such globals back at the original too, so after
+        ``revert()`` no module calls a reverted fix."""
+        for mod in list(sys.modules.values()):
+            namespace = getattr(mod, "__dict__", None) if mod is not None else None
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                pair = restore.get(id(value))
+                if pair is not None and value is pair[0]:
+                    namespace[attr] = pair[1]

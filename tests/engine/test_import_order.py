@@ -105,6 +105,28 @@ assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_
     )
 
 
+def test_revert_restores_bindings_made_while_applied():
+    """A module imported while the fix was applied bound the replacement by name itself (no record
+    of ours covers it): revert() must point it back at the original too."""
+    check_py(
+        PRELUDE
+        + """
+import types
+import mcore_ckpt_fixes
+probe_fix.register(); mcore_ckpt_fixes.apply()
+import megatron.core.utils as mu
+late = types.ModuleType("late_user_module")
+exec("from megatron.core.utils import make_sharded_tensor_for_checkpoint", late.__dict__)
+sys.modules[late.__name__] = late
+assert late.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
+orig = mcore_ckpt_fixes.engine.patching.original(mu, 'make_sharded_tensor_for_checkpoint')
+mcore_ckpt_fixes.revert()
+assert late.make_sharded_tensor_for_checkpoint is orig
+assert mu.make_sharded_tensor_for_checkpoint is orig
+""",
+    )
+
+
 def test_spawn_child_calls_fixed_function():
     out = check_py(
         PRELUDE
