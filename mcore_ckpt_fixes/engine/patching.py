@@ -139,5 +139,6 @@ class Patcher:
                 continue
             for attr, value in list(namespace.items()):
                 pair = restore.get(id(value))
-                if pair is not None and value is pair[0]:
+                # The fix module that defines the replacement keeps it: it is the definition, not a binding.
+                if pair is not None and value is pair[0] and namespace.get("__name__") != pair[0].__module__:
                     namespace[attr] = pair[1]

@@ -1,14 +1,377 @@
-"""dtensor-placement: dist_checkpointing offsets of DTensor parameters come from the dense DP group, not the DTensor's mesh.
+"""dtensor-placement: describe a DTensor parameter to dist_checkpointing from its own mesh and placements.
 
-Registered so that ``status`` lists it honestly; not implemented yet (issue #10): nothing is patched.
+Affected: Megatron-Core 0.12.0 - 0.19.2 (still upstream; tracked here as issue #10, the
+``dist_checkpointing`` half of the expert-parallel placement bug behind DESIGN.md's seed case).
+
+Failure prevented: ``make_tp_sharded_tensor_for_checkpoint`` and ``make_sharded_tensor_for_checkpoint``
+(``megatron/core/utils.py``) describe a DTensor parameter (torch FSDP2 ``fully_shard``, HSDP, a
+library's own expert mesh) with offsets ``(dp_rank, dp_size)`` of the *dense* data-parallel group
+they are handed, whatever the DTensor's mesh and placements say. An expert weight sharded over the
+expert-data-parallel mesh under EP gets dense-DP offsets and a global shape ``dp_size`` times its
+real size, so the save fails validation (``Invalid access pattern``); an HSDP (Replicate, Shard)
+parameter is written as ``dp_size`` chunks where there are ``shard`` of them (a wrong global shape on
+disk: any other layout then fails or reads the wrong rows); uneven shards get per-rank global shapes.
+``SequentialMLP.sharded_state_dict`` then overwrites every expert tensor's DP replica index with the
+expert-DP rank, so even a correct description of an expert shard would leave every expert-DP rank
+but the first unwritten.
+
+How: for a DTensor the release's helper treats as one (0.16-0.18: every DTensor; 0.19: those that
+Megatron's FSDP2 wrapper tagged ``is_torch_fsdp2_param``; decided by running the release's helper, see
+:func:`_tag_required`), the replacement computes the shard's global offset per dimension from the
+mesh coordinate and the placements (torch's chunking: ``ceil(n / mesh_size)`` rows per shard, the last
+ones shorter or empty), merges it with the TP offset when TP splits the same axis (TP outer, the
+DTensor inside the TP-local tensor, as FSDP2 shards Megatron's TP-local parameters), takes the
+replica index from the Replicate mesh dimensions, and builds the ShardedTensor on the local tensor:
+a regular grid when every split is even, an irregular one (``axis_fragmentations=None``, which
+dist_checkpointing supports on PyTorch >= 2.6) otherwise. All-Replicate DTensors take the release's
+plain path with their local tensor: nothing is gathered. Partial and strided placements are refused
+with one line naming the key and the accepted placements. Nothing here issues a collective.
+
+The helpers are bound by name in many modules (``from megatron.core.utils import ...``): they are
+replaced with ``replace_function``, which rebinds every loaded module's binding by identity; modules
+imported later bind the replacement from ``megatron.core.utils`` itself.
 """
 
-from ..engine.fix import Fix
+from __future__ import annotations
+
+import sys
+import types
+
+from ..engine.fix import Fix, Target
+from ..engine.patching import Patcher, mark, original
+
+ID = "dtensor-placement"
+UTILS = "megatron.core.utils"
+EXPERTS = "megatron.core.transformer.moe.experts"
+TP_HELPER = "make_tp_sharded_tensor_for_checkpoint"
+HELPER = "make_sharded_tensor_for_checkpoint"
+# Set on a ShardedTensor described from a sharded DTensor: the DP component of its replica id, which
+# SequentialMLP must not overwrite with the expert-DP rank.
+REPLICA_ATTR = "_mcore_ckpt_fixes_dtensor_replica"
+FSDP2_TAG = "is_torch_fsdp2_param"  # Megatron's own marker (its FSDP2 wrapper, 0.19's helpers)
+
+# helper name -> True when the release's helper only takes its DTensor branch for tagged DTensors.
+_TAG_REQUIRED: dict = {}
+
+
+class DTensorPlacementError(ValueError):
+    """A DTensor layout that dist_checkpointing cannot describe."""
+
+
+# -- the layout, from the DTensor alone ----------------------------------------------------------
+
+
+class Layout:
+    """Where a DTensor's local shard lies in its global tensor, from its mesh and placements."""
+
+    __slots__ = ("global_shape", "offset", "local_shape", "replica", "even", "sharded")
+
+    def __init__(self, global_shape, offset, local_shape, replica, even, sharded):
+        self.global_shape, self.offset, self.local_shape = global_shape, offset, local_shape
+        self.replica, self.even, self.sharded = replica, even, sharded
+
+    def __repr__(self):
+        return (
+            f"Layout(global_shape={self.global_shape}, offset={self.offset}, local_shape={self.local_shape}, "
+            f"replica={self.replica}, even={self.even})"
+        )
+
+
+def dtensor_layout(tensor, key="<tensor>") -> Layout:
+    """The local shard's global offset, the global shape, the replica index and evenness.
+
+    Shard(d) on mesh dim i cuts the current extent of tensor dim d into ``mesh.shape[i]`` torch
+    chunks (mesh dims in order, so two Shard(d) nest as torch nests them); Replicate dims give the
+    replica index (row-major over those dims; 0 is the main replica). Reads only the mesh's
+    coordinate and shape: no process group is touched.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise DTensorPlacementError(f"{key}: this rank is not in the DTensor's device mesh; accepted: a DTensor whose mesh includes this rank")
+    mesh_shape = tuple(mesh.shape)
+    global_shape = tuple(tensor.shape)
+    ndim = len(global_shape)
+    offset, extent = [0] * ndim, list(global_shape)
+    replica, even, sharded = 0, True, False
+    for i, p in enumerate(placements):
+        n = mesh_shape[i]
+        if type(p) is Replicate:
+            replica = replica * n + coord[i]
+        elif type(p) is Shard:
+            d = p.dim % ndim
+            size = extent[d]
+            chunk = -(-size // n) if size else 0
+            start = min(coord[i] * chunk, size)
+            offset[d] += start
+            extent[d] = max(0, min(chunk, size - start))
+            even = even and size % n == 0
+            sharded = sharded or n > 1
+        else:
+            raise DTensorPlacementError(
+                f"{key}: cannot checkpoint a DTensor placed {p!r} on mesh dim {i}; accepted: Shard(dim), Replicate()"
+            )
+    local_shape = tuple(tensor._local_tensor.shape)
+    if tuple(extent) != local_shape:
+        raise DTensorPlacementError(
+            f"{key}: local shard {local_shape} does not match placements {placements} of global shape "
+            f"{global_shape} (expected {tuple(extent)}); accepted: torch's Shard chunking (ceil(n/mesh) per shard)"
+        )
+    return Layout(global_shape, tuple(offset), local_shape, replica, even, sharded)
+
+
+def _is_dtensor(tensor) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(tensor, cls)
+
+
+def _takes_dtensor_branch(helper: str, tensor) -> bool:
+    if not _is_dtensor(tensor):
+        return False
+    return not _TAG_REQUIRED.get(helper, False) or hasattr(tensor, FSDP2_TAG)
+
+
+def _groups(kwargs):
+    """Pop the groups as the release's helpers do (fallback to parallel_state when both are None)."""
+    utils = sys.modules[UTILS]
+    tp_group = kwargs.pop("tp_group", None)
+    dp_cp_group = kwargs.pop("dp_cp_group", None)
+    if tp_group is None and dp_cp_group is None:
+        tp_group = utils.parallel_state.get_tensor_model_parallel_group()
+    return utils.get_pg_rank(tp_group), utils.get_pg_size(tp_group)
+
+
+def build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs):
+    """The ShardedTensor of the DTensor's local shard (``tp_axis=None``: not TP-sharded)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    local = tensor._local_tensor
+    prepend = len(prepend_offsets)
+    gshape, goff = list(layout.global_shape), list(layout.offset)
+    if tp_axis is not None and tp_size > 1:
+        # TP outside, the DTensor inside the TP-local tensor: rank tp_rank's block, then the shard.
+        goff[tp_axis] += tp_rank * gshape[tp_axis]
+        gshape[tp_axis] *= tp_size
+    even = layout.even and all(le > 0 for le in local.shape)
+    if even:
+        rank_offsets = [
+            (prepend + d, goff[d] // le, gshape[d] // le) for d, le in enumerate(local.shape) if gshape[d] != le
+        ]
+        sh = ShardedTensor.from_rank_offsets(
+            key, local, *prepend_offsets, *rank_offsets, replica_id=replica_id, prepend_axis_num=prepend, **kwargs
+        )
+    else:
+        utils = sys.modules[UTILS]
+        if not utils.is_torch_min_version("2.6a0"):
+            raise DTensorPlacementError(
+                f"{key}: uneven DTensor shards (local {tuple(local.shape)} of {tuple(layout.global_shape)}) need "
+                "PyTorch >= 2.6 for dist_checkpointing; accepted: each sharded dim divisible by its mesh size"
+            )
+        pre_shape, pre_off = [1] * prepend, [0] * prepend
+        for axis, rank_offset, fragments in prepend_offsets:
+            pre_shape[axis], pre_off[axis] = fragments, rank_offset
+        sh = ShardedTensor(
+            key,
+            local,
+            local.dtype,
+            tuple(local.shape),
+            tuple(pre_shape + gshape),
+            tuple(pre_off + goff),
+            None,  # irregular grid: dist_checkpointing defers the coverage check to DCP
+            replica_id,
+            prepend,
+            **kwargs,
+        )
+    setattr(sh, FSDP2_TAG, True)  # as 0.19 marks it: "every shard of this tensor is described by DP"
+    return sh
+
+
+# -- replacements (plain module-level functions: picklable by reference) ------------------------
+
+
+def _stale(name, me):
+    """What ``megatron.core.utils`` binds now when that is not this replacement, else None.
+
+    A module imported while the fix was applied binds the replacement by ``from ... import``; the
+    engine's revert only restores the bindings it made itself. Such a stale binding forwards to
+    the current one, so a reverted fix behaves as reverted everywhere.
+    """
+    current = sys.modules[UTILS].__dict__.get(name)
+    return None if current is me else current
+
+
+@mark(ID)
+def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
+    stale = _stale(TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
+    if stale is not None:
+        return stale(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+    orig = original(UTILS, TP_HELPER)
+    if not _takes_dtensor_branch(TP_HELPER, tensor):
+        return orig(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+    layout = dtensor_layout(tensor, key)
+    if not layout.sharded:  # all Replicate: the plain path, on the local (= full) tensor
+        return orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+    tp_rank, tp_size = _groups(kwargs)
+    ours = replica_id is None
+    if ours:
+        replica_id = (0, 0, layout.replica)
+    sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs)
+    if ours:
+        setattr(sh, REPLICA_ATTR, layout.replica)
+    return sh
+
+
+@mark(ID)
+def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
+    stale = _stale(HELPER, make_sharded_tensor_for_checkpoint)
+    if stale is not None:
+        return stale(tensor, key, prepend_offsets, replica_id, **kwargs)
+    orig = original(UTILS, HELPER)
+    if not _takes_dtensor_branch(HELPER, tensor):
+        return orig(tensor, key, prepend_offsets, replica_id, **kwargs)
+    layout = dtensor_layout(tensor, key)
+    if not layout.sharded:  # all Replicate: never materialise, the local tensor is the full one
+        return orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
+    tp_rank, _ = _groups(kwargs)
+    ours = replica_id is None
+    if ours:
+        replica_id = (0, tp_rank, layout.replica)
+    sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, None, 0, 1, replica_id, kwargs)
+    if ours:
+        setattr(sh, REPLICA_ATTR, layout.replica)
+    return sh
+
+
+@mark(ID)
+def sequential_mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+    """SequentialMLP's, with the DP replica index of DTensor-described expert shards kept."""
+    out = original(sys.modules[EXPERTS].SequentialMLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+    for sh in out.values():
+        dp_replica = getattr(sh, REPLICA_ATTR, None)
+        if dp_replica is not None and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3:
+            sh.replica_id = (*sh.replica_id[:2], dp_replica)
+    return out
+
+
+# -- probes: the release's own code on a tiny DTensor over a mesh without process groups ---------
+
+
+class _Group:
+    """Stands in for a process group: only ``rank()`` / ``size()`` are read."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def probe_dtensor(tag=True):
+    """Shard 1 of a (4, 3) tensor Shard(0) over a 2-rank mesh: rows 2-3. A real DeviceMesh built
+    without process groups (``_init_backend=False``): nothing is initialised or communicated."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=1)
+    dt = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False)
+    if tag:
+        setattr(dt, FSDP2_TAG, True)
+    return dt
+
+
+def _described_right(sh) -> bool:
+    return tuple(sh.global_shape) == (4, 3) and tuple(sh.global_offset) == (2, 0)
+
+
+def probe_utils(module: types.ModuleType):
+    if not hasattr(module, TP_HELPER) or not hasattr(module, HELPER):
+        return None, f"megatron.core.utils lacks {TP_HELPER} or {HELPER}"
+    if not getattr(module, "HAVE_DTENSOR", True):
+        return None, "this torch has no DTensor"
+    # dp_cp_group claims rank 3 of 4 (what a dense DP group around a 2-rank expert mesh says).
+    groups = dict(tp_group=_Group(1, 0), dp_cp_group=_Group(4, 3))
+    wrong = []
+    tp_sh = module.__dict__[TP_HELPER](probe_dtensor(), "probe", 0, **groups)
+    if not _described_right(tp_sh):
+        wrong.append(f"{TP_HELPER} gives global {tuple(tp_sh.global_shape)} offset {tuple(tp_sh.global_offset)}")
+    sh = module.__dict__[HELPER](probe_dtensor(), "probe", **groups)
+    if not _described_right(sh):
+        wrong.append(f"{HELPER} gives global {tuple(sh.global_shape)} offset {tuple(sh.global_offset)}")
+    if wrong:
+        return True, "rows 2-3 of a (4, 3) DTensor Shard(0) on a 2-rank mesh: " + "; ".join(wrong)
+    return False, "DTensor offsets and global shape come from its mesh and placements"
+
+
+def _tag_required(module, name) -> bool:
+    """Does the release's helper skip its DTensor branch for an untagged DTensor? (0.19 does.)"""
+    sh = original(module, name)(probe_dtensor(tag=False), "probe", tp_group=_Group(1, 0), dp_cp_group=_Group(1, 0))
+    return _is_dtensor(sh.data)
+
+
+def probe_sequential_mlp(module: types.ModuleType):
+    if not hasattr(module, "SequentialMLP"):
+        return None, "megatron.core.transformer.moe.experts has no SequentialMLP"
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    class Expert(torch.nn.Module):
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            sh = ShardedTensor.from_rank_offsets(f"{prefix}w", torch.zeros(1), *sharded_offsets, replica_id=(0, 0, 0), prepend_axis_num=len(sharded_offsets))
+            setattr(sh, FSDP2_TAG, True)
+            return {f"{prefix}w": sh}
+
+    stub = torch.nn.Module()
+    stub.local_experts = torch.nn.ModuleList([Expert()])
+    stub.num_local_experts, stub.ep_group, stub.dp_group = 1, _Group(1, 0), _Group(2, 1)
+    out = module.SequentialMLP.sharded_state_dict(stub, "", (), {"dp_cp_group": _Group(2, 1)})
+    (sh,) = out.values()
+    if sh.replica_id[-1] == 0:
+        return False, "SequentialMLP keeps the DP replica index of DTensor-described expert shards"
+    return True, "SequentialMLP overwrites the DP replica index of DTensor-described expert shards with the expert-DP rank"
+
+
+# -- apply ---------------------------------------------------------------------------------------
+
+
+def apply_utils(module: types.ModuleType, patcher: Patcher) -> None:
+    for name in (TP_HELPER, HELPER):
+        _TAG_REQUIRED[name] = _tag_required(module, name)
+    patcher.replace_function(module, TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
+    patcher.replace_function(module, HELPER, make_sharded_tensor_for_checkpoint)
+
+
+def apply_sequential_mlp(module: types.ModuleType, patcher: Patcher) -> None:
+    patcher.replace(module.SequentialMLP, "sharded_state_dict", sequential_mlp_sharded_state_dict)
+
 
 FIX = Fix(
-    id="dtensor-placement",
-    summary="dist_checkpointing offsets of DTensor parameters come from the dense DP group, not the DTensor's mesh",
+    id=ID,
+    summary="dist_checkpointing offsets of DTensor parameters come from their own mesh and placements, not the dense DP group",
     affected=">=0.12.0,<=0.19.2",
-    implemented=False,
-    tracking="issue #10",
+    upstream=("not fixed upstream as of 0.19.2; issue #10 (DESIGN.md §1, seed case)",),
+    targets=(
+        Target(
+            UTILS,
+            probe_utils,
+            apply_utils,
+            alias_sites=(
+                "megatron.core.transformer.utils",
+                "megatron.core.tensor_parallel.layers",
+                "megatron.core.models.common.language_module.language_module",
+                "megatron.core.transformer.moe.shared_experts",
+                "megatron.core.transformer.multi_latent_attention",
+                "megatron.core.transformer.multi_token_prediction",
+                "megatron.core.optimizer.optimizer",
+                "megatron.core.ssm.mamba_mixer",
+            ),
+        ),
+        Target(EXPERTS, probe_sequential_mlp, apply_sequential_mlp),
+    ),
 )

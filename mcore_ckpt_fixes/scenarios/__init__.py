@@ -205,6 +205,34 @@ SCENARIOS += (
 )
 
 
+_DTP = "mcore_ckpt_fixes.scenarios.dtensor_placement"
+# dtensor-placement, unpatched (0.16-0.19 alike). moe_ep: the expert shards get dense-DP offsets
+# (4 chunks where expert DP has 2) and SequentialMLP makes expert-DP rank 1 a non-main replica, so
+# Megatron's validation rejects every expert tensor; the router (its mesh is the dense DP group)
+# is fine. hsdp: saves and round-trips in its own layout, silently writing 4 chunks of a
+# 2-chunk tensor (global shape doubled); any other layout (here: the unsharded layer) then fails.
+_DTP_EXPERT_KEYS = ", ".join(f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight"))
+DTP_TP_FSDP = f"{_DTP}:tp_fsdp"  # world 2, TP=2 + FSDP2: upstream handles it; exact both ways (tests only)
+SCENARIOS += (
+    Scenario(
+        "dtensor-placement", "moe_ep", f"{_DTP}:moe_ep", 4,
+        Bug.raises("validate", f"CheckpointingException: Invalid access pattern for {_DTP_EXPERT_KEYS}"),
+        prepare=f"{_DTP}:prepare", devices=("cpu",), timeout=180,
+        doc="MoELayer, SequentialMLP experts FSDP2 over expert DP (EP=2, DP=4, expert DP=2), router over dense DP",
+    ),
+    Scenario(
+        "dtensor-placement", "hsdp", f"{_DTP}:hsdp", 4,
+        Bug.raises(
+            "load_unsharded",
+            "CheckpointingException: Global shape mismatch for loaded (torch.Size([24, 8])) and expected "
+            "((12, 8)) tensor for key linear_fc1.weight",
+        ),
+        prepare=f"{_DTP}:prepare", devices=("cpu",), timeout=180,
+        doc="dense MLP under HSDP (2 replicate x 2 shard), loaded back in place and into the unsharded layer",
+    ),
+)
+
+
 def for_fix(fix_id: str):
     """The scenarios registered for ``fix_id``, in declaration order (possibly none)."""
     return tuple(s for s in SCENARIOS if s.fix_id == fix_id)

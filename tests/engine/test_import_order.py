@@ -8,6 +8,10 @@ Two fixes are exercised on real Megatron-Core modules:
 
 from conftest import check_py
 
+# dtensor-placement replaces the same helper as engine-probe, and a second fix never stacks a layer
+# on another fix's replacement: switch it off where engine-probe's own behaviour is under test.
+PROBE_ENV = {"MCORE_CKPT_FIX_DTENSOR_PLACEMENT": "off"}
+
 PRELUDE = """
 import importlib, sys, warnings
 import probe_fix
@@ -28,7 +32,8 @@ import megatron.core.transformer.utils as tu
 assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
 assert tu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
 print({r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['engine-probe'])
-"""
+""",
+        env=PROBE_ENV,
     )
     assert out.strip() == "applied"
 
@@ -55,7 +60,8 @@ assert mu.make_sharded_tensor_for_checkpoint is early
 assert tu.make_sharded_tensor_for_checkpoint is early
 assert sys.modules['user_module'].helper is early
 assert make_sharded_tensor_for_checkpoint is early
-"""
+""",
+        env=PROBE_ENV,
     )
 
 
@@ -84,7 +90,8 @@ from mcore_ckpt_fixes.engine.patching import original
 assert original(mu, 'make_sharded_tensor_for_checkpoint') is keep['orig']
 mcore_ckpt_fixes.revert()
 assert mu.make_sharded_tensor_for_checkpoint is keep['orig']
-"""
+""",
+        env=PROBE_ENV,
     )
 
 
@@ -101,7 +108,8 @@ assert mu.make_sharded_tensor_for_checkpoint is keep['orig']
 assert {r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['engine-probe'] == 'disabled'
 mcore_ckpt_fixes.apply()
 assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
-"""
+""",
+        env=PROBE_ENV,
     )
 
 
@@ -119,11 +127,18 @@ late = types.ModuleType("late_user_module")
 exec("from megatron.core.utils import make_sharded_tensor_for_checkpoint", late.__dict__)
 sys.modules[late.__name__] = late
 assert late.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
-orig = mcore_ckpt_fixes.engine.patching.original(mu, 'make_sharded_tensor_for_checkpoint')
+# In a dict: a module global holding the original would itself be rebound by apply (by identity).
+keep = {'orig': mcore_ckpt_fixes.engine.patching.original(mu, 'make_sharded_tensor_for_checkpoint')}
 mcore_ckpt_fixes.revert()
-assert late.make_sharded_tensor_for_checkpoint is orig
-assert mu.make_sharded_tensor_for_checkpoint is orig
+assert late.make_sharded_tensor_for_checkpoint is keep['orig']
+assert mu.make_sharded_tensor_for_checkpoint is keep['orig']
+# The fix module's own definition is not a binding: it stays the replacement, and apply works again.
+assert mcore_ckpt_fixes.engine.patching.is_replacement(probe_fix.counting_make_sharded_tensor)
+mcore_ckpt_fixes.apply()
+assert mu.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor is not keep['orig']
+assert late.make_sharded_tensor_for_checkpoint is probe_fix.counting_make_sharded_tensor
 """,
+        env=PROBE_ENV,
     )
 
 
@@ -155,7 +170,8 @@ def child(fn):
 
 if __name__ == '__main__':
     main()
-"""
+""",
+        env=PROBE_ENV,
     )
     assert "('original reached', ['spawned'])" in out, out
 

@@ -1,0 +1,347 @@
+"""dtensor-placement round trips: real Megatron-Core layers whose parameters are torch FSDP2 DTensors.
+
+Every model is a real Megatron-Core module built from an explicit ``ProcessGroupCollection``
+(``parallel_state`` stays uninitialised), given deterministic values, then sharded with torch's own
+``fully_shard`` on a CPU ``DeviceMesh`` (gloo), the way Megatron's ``TorchFullyShardedDataParallel``
+does it (its custom parameter attributes saved and restored around ``fully_shard``, each parameter
+tagged ``is_torch_fsdp2_param``; the wrapper itself hard-codes a CUDA mesh, so it is not called).
+It is saved with ``dist_checkpointing.save`` and loaded with ``dist_checkpointing.load`` into a fresh
+model with other values; every rank must get back exactly its own local shards.
+
+* ``moe_ep`` (world 4, EP=2, dense DP=4, expert DP=2): a ``MoELayer`` with local ``SequentialMLP``
+  experts (2 per EP rank); each expert ``fully_shard``-ed Shard(0) over its expert-DP mesh
+  ({0,2} / {1,3}), then the layer itself (so the router) over the dense DP mesh (all 4 ranks).
+* ``hsdp`` (world 4, HSDP mesh 2 replicate x 2 shard, dense DP=4): a dense ``MLP``; loaded back into
+  the same layout and into an unsharded copy of the layer (full tensors, no FSDP), which reads the
+  checkpoint's global shapes as any other layout would.
+* ``tp_fsdp`` (world 2, TP=2, FSDP2 over the data-parallel mesh of size 1, sharding the TP axis'
+  dimension 0 again): the layout upstream already handles; exact with and without the fix.
+
+Validation (phase ``validate``): before saving, Megatron's own ``validate_sharding_integrity`` runs
+on rank 0 (as inside ``dist_checkpointing.save``) on each key's global metadata, and its verdict is
+broadcast, so every rank reports the same failure instead of the other ranks waiting in the save's
+collectives until the deadline. The error line is ``CheckpointingException: Invalid access pattern
+for <keys>``: the exception type and the keys Megatron rejected. Megatron's own messages embed
+whole ShardedTensor reprs and differ between releases (0.16 stops at the first key); they are kept
+in ``raw_error``. A load that torch DCP aborts reports the first Megatron ``CheckpointingException``
+line DCP wrapped (DCP's own message concatenates every rank's traceback).
+"""
+
+from __future__ import annotations
+
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+SAVE_SEED, FRESH_SEED = 1234, 98765
+HIDDEN, FFN, EXPERTS = 8, 12, 4
+FIX_ID = "dtensor-placement"
+_TARGETS = ("megatron.core.utils", "megatron.core.transformer.moe.experts")
+
+
+def prepare() -> None:
+    import torch.distributed.fsdp  # noqa: F401
+
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.transformer.mlp  # noqa: F401
+    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+
+
+# -- groups ----------------------------------------------------------------------------------------
+
+
+def _new_groups(rank_lists):
+    """Every rank creates every group in the same order; returns the one holding this rank."""
+    me = dist.get_rank()
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mine = g
+    return mine
+
+
+def _pgs(tp, ep):
+    """A ProcessGroupCollection in Megatron's default order (tp-cp-ep-dp, PP=CP=1)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = dist.get_world_size()
+    dp = world // tp
+    ranks = list(range(world))
+    tp_groups = [ranks[i : i + tp] for i in range(0, world, tp)]
+    dp_groups = [ranks[i::tp] for i in range(tp)]
+    # Experts: expert TP = 1; EP inner, expert DP outer.
+    ep_groups = [ranks[i : i + ep] for i in range(0, world, ep)]
+    edp_groups = [ranks[i::ep] for i in range(ep)]
+    alone = [[r] for r in ranks]
+    pgs = ProcessGroupCollection()
+    pgs.tp = _new_groups(tp_groups)
+    pgs.dp = pgs.dp_cp = _new_groups(dp_groups)
+    everyone = _new_groups([ranks])
+    single = _new_groups(alone)
+    pgs.cp, pgs.pp, pgs.expt_tp = single, single, single
+    pgs.tp_cp = pgs.mp = pgs.tp
+    pgs.tp_dp_cp = everyone
+    pgs.ep = pgs.tp_ep = pgs.tp_ep_pp = _new_groups(ep_groups)
+    pgs.expt_dp = _new_groups(edp_groups)
+    meshes = {
+        "dp": (dp_groups, pgs.dp),
+        "edp": (edp_groups, pgs.expt_dp),
+    }
+    return pgs, meshes, dp
+
+
+def _mesh(group):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _config(tp=1, **extra):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=2,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        add_bias_linear=True,
+        **extra,
+    )
+
+
+# -- values, FSDP2 ---------------------------------------------------------------------------------
+
+
+def _fill(named_params, seed, tag):
+    """Deterministic values: ``tag(name, param)`` says what identifies the tensor's content (TP
+    rank, global expert index), so ranks holding the same tensor agree and others differ."""
+    with torch.no_grad():
+        for name, p in named_params:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{tag(name, p)}/{name}".encode()))
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+def fully_shard_like_megatron(module, mesh):
+    """``fully_shard`` with Megatron's TorchFullyShardedDataParallel attribute handling: FSDP2
+    replaces the parameters, so their Megatron attributes are saved and set again, plus the
+    ``is_torch_fsdp2_param`` tag that wrapper adds."""
+    from torch.distributed.fsdp import fully_shard
+
+    attrs = {n: dict(vars(p), is_torch_fsdp2_param=True) for n, p in module.named_parameters()}
+    fully_shard(module, mesh=mesh)
+    for n, p in module.named_parameters():
+        for k, v in attrs.get(n, {}).items():
+            setattr(p, k, v)
+    return module
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_tensors(model):
+    return {k: _local(v).detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _fix_state(patched):
+    import mcore_ckpt_fixes
+
+    import megatron.core.transformer.moe.experts  # noqa: F401  (both targets decided)
+    import megatron.core.utils  # noqa: F401
+
+    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
+    if patched:
+        assert row["state"] in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
+    else:
+        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
+    # Per target module, as selftest reads it.
+    return {m: row["targets"].get(m, {}).get("state", row["state"]) for m in _TARGETS}
+
+
+def validate(sharded_sd):
+    """Megatron's validation of the global sharding, run on rank 0 key by key; verdict broadcast."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
+
+    _, global_md = determine_global_metadata(sharded_sd)
+    verdict = [None]
+    if dist.get_rank() == 0:
+        keys = sorted({sh.key for md in global_md for sh in md if isinstance(sh, ShardedTensor)})
+        bad, raw = [], []
+        for key in keys:
+            try:
+                validate_sharding_integrity([[sh for sh in md if sh.key == key] for md in global_md])
+            except Exception as exc:  # Megatron's CheckpointingException or its shape AssertionError
+                kind = "Invalid access pattern" if "Invalid access pattern" in str(exc) else type(exc).__name__
+                bad.append((key, kind))
+                raw.append(f"{type(exc).__name__}: {exc}")
+        if bad:
+            kinds = sorted({k for _, k in bad})
+            verdict = [(f"CheckpointingException: {' / '.join(kinds)} for " + ", ".join(k for k, _ in bad), "\n".join(raw))]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+class ValidationFailed(Exception):
+    pass
+
+
+def _dcp_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+_CKPT_EXC = "megatron.core.dist_checkpointing.core.CheckpointingException: "
+
+
+def _error_line(exc):
+    """``Type: message``; for torch DCP's CheckpointException, which wraps every rank's traceback,
+    the first Megatron CheckpointingException line inside it (the full text stays in raw_error)."""
+    if isinstance(exc, ValidationFailed):
+        return str(exc)
+    text = str(exc)
+    for line in text.splitlines():
+        if line.startswith(_CKPT_EXC):
+            return "CheckpointingException: " + line[len(_CKPT_EXC) :]
+    return f"{type(exc).__name__}: {text}"
+
+
+def _round_trip(build, patched, ckpt_dir, metadata, reference=None):
+    """build(seed) -> FSDP2-sharded model. ``reference``: (build_plain(seed), full tensors) loaded
+    from the same checkpoint after the same-layout check."""
+    from megatron.core import dist_checkpointing
+
+    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "raw_error": None}
+    phase = "precondition"
+    try:
+        result["fix_state"] = _fix_state(patched)
+        phase = "build"
+        saved = build(SAVE_SEED)
+        before = _local_tensors(saved)
+        phase = "sharded_state_dict"
+        sd = saved.sharded_state_dict(prefix="", metadata=metadata)
+        phase = "validate"
+        failed = validate(sd)
+        if failed is not None:
+            result["raw_error"] = failed[1]
+            raise ValidationFailed(failed[0])
+        phase = "save"
+        dist_checkpointing.save(sd, ckpt_dir)
+        dist.barrier()
+        phase = "build_fresh"
+        fresh = build(FRESH_SEED)
+        assert not any(torch.equal(t, _local_tensors(fresh)[k]) for k, t in before.items() if t.numel()), "vacuous"
+        phase = "load"
+        loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
+        deltas = {}
+        for k, want in before.items():
+            got = loaded[k]
+            _local(fresh.state_dict()[k]).data.copy_(got)  # what load_state_dict does for FSDP2
+            deltas[k] = float((want.double() - got.double()).abs().max()) if want.numel() else 0.0
+        result["max_delta"] = dict(sorted(deltas.items()))  # the same-layout half, kept if what follows fails
+        if reference is not None:
+            build_plain, full = reference
+            phase = "load_unsharded"
+            plain = build_plain(FRESH_SEED)
+            got = dist_checkpointing.load(plain.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
+            for k, want in full.items():
+                deltas[f"unsharded/{k}"] = float((want.double() - got[k].double()).abs().max())
+        phase = "compare"
+        result["n_tensors"] = len(deltas)
+        result["max_delta"] = dict(sorted(deltas.items()))
+        bad = {k: d for k, d in deltas.items() if d != 0.0}
+        assert not bad, f"tensors differ after load: {bad}"
+    except (Exception, _dcp_exception()) as exc:  # DCP's CheckpointException is a BaseException
+        result["error"] = _error_line(exc)
+        result["raw_error"] = result["raw_error"] or f"{type(exc).__name__}: {exc}"
+        result["phase"] = phase
+        result["traceback"] = traceback.format_exc()
+    return result
+
+
+# -- scenarios -------------------------------------------------------------------------------------
+
+
+def moe_ep(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """MoELayer, EP=2 x expert-DP=2 experts (FSDP2 over expert DP), router FSDP2 over dense DP=4."""
+    assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    assert world_size == 4
+    pgs, meshes, _ = _pgs(tp=1, ep=2)
+    config = _config(num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN, expert_model_parallel_size=2)
+    submodules = _submodules(get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp)
+    dense_mesh, expert_mesh = _mesh(pgs.dp_cp), _mesh(pgs.expt_dp)
+    ep_rank, n_local = pgs.ep.rank(), EXPERTS // 2
+
+    def build(seed):
+        layer = MoELayer(config, submodules, pg_collection=pgs)
+        _fill(layer.router.named_parameters(), seed, lambda n, p: "router")
+        for i, expert in enumerate(layer.experts.local_experts):
+            _fill(expert.named_parameters(), seed, lambda n, p, e=ep_rank * n_local + i: f"expert{e}")
+            fully_shard_like_megatron(expert, expert_mesh)
+        # The root takes what the experts left: the router (TopKRouter's own class cannot be swapped
+        # by fully_shard; Megatron's wrapper shards the root last as well).
+        return fully_shard_like_megatron(layer, dense_mesh)
+
+    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp})
+
+
+def _submodules(spec):
+    """A layer spec's submodules: a ModuleSpec up to 0.17, a functools.partial from 0.18."""
+    found = getattr(spec, "submodules", None)
+    return found if found is not None else spec.keywords["submodules"]
+
+
+def _mlp(config, pgs):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLP
+
+    return MLP(config, _submodules(get_gpt_layer_local_spec().submodules.mlp), tp_group=pgs.tp)
+
+
+def hsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """A dense MLP under HSDP (2 replicate x 2 shard) on a dense DP group of 4."""
+    assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert world_size == 4
+    pgs, _, _ = _pgs(tp=1, ep=1)
+    config = _config()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build_plain(seed):
+        mlp = _mlp(config, pgs)
+        _fill(mlp.named_parameters(), seed, lambda n, p: "dense")
+        return mlp
+
+    def build(seed):
+        return fully_shard_like_megatron(build_plain(seed), mesh)
+
+    full = _local_tensors(build_plain(SAVE_SEED))
+    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp}, reference=(build_plain, full))
+
+
+def tp_fsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """A dense MLP with TP=2 and FSDP2 over the data-parallel mesh (size 1 in a world of 2)."""
+    assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
+    assert world_size == 2
+    pgs, _, _ = _pgs(tp=2, ep=1)
+    config = _config(tp=2)
+    mesh = _mesh(pgs.dp_cp)
+    tp_rank = pgs.tp.rank()
+
+    def build(seed):
+        mlp = _mlp(config, pgs)
+        _fill(mlp.named_parameters(), seed, lambda n, p: tp_rank if getattr(p, "tensor_model_parallel", False) else -1)
+        return fully_shard_like_megatron(mlp, mesh)
+
+    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp})
