@@ -1,4 +1,4 @@
-"""``python -m mcore_ckpt_fixes`` / ``mcore-ckpt-fixes``: status, selftest (and, as they land, more commands)."""
+"""``python -m mcore_ckpt_fixes`` / ``mcore-ckpt-fixes``: status, selftest, inspect."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -51,6 +61,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="run only the scenarios written for this many ranks (default: every scenario, "
                              "each at the world size it is written for)")
     p_self.add_argument("--json", action="store_true", help="print a JSON list of objects, one per fix")
+    p_insp = sub.add_parser(
+        "inspect",
+        help="the checkpoint doctor: what is on disk and whether a run with these sizes can read it",
+        description="Inspect a Megatron checkpoint (its root with latest_checkpointed_iteration.txt, or one "
+        "iter_* directory) from its metadata only: tracker vs iter_* directories, format, the legacy mp_rank_* "
+        "layout against the run's sizes, chunk coverage, expert keys, RNG and common-state layout, and which "
+        "Megatron-Core releases can read it. Exit 0 clean, 1 problems found, 2 unreadable input or bad usage.",
+    )
+    p_insp.add_argument("checkpoint", metavar="CKPT", help="checkpoint root or iter_* directory")
+    p_insp.add_argument("--tp", type=_positive_int, help="tensor model parallel size of the run")
+    p_insp.add_argument("--pp", type=_positive_int, help="pipeline model parallel size of the run")
+    p_insp.add_argument("--ep", type=_positive_int, help="expert model parallel size of the run")
+    p_insp.add_argument("--iteration", type=_non_negative_int, help="inspect iter_N instead of the tracker's")
+    p_insp.add_argument("--json", action="store_true", help="print one JSON object (the contract for tools)")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -68,6 +92,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .cli.selftest import run as run_selftest
 
         return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json)
+    if args.command == "inspect":
+        from .cli.inspect import run as run_inspect
+
+        return run_inspect(args.checkpoint, args.tp, args.pp, args.ep, args.iteration, as_json=args.json)
     return 2
 
 

@@ -1,0 +1,67 @@
+"""``mcore-ckpt-fixes inspect`` as a user runs it: exit codes, the JSON contract, one-line errors."""
+
+import json
+import os
+
+from conftest import run_cli, run_py
+from doctor_fixtures import copy_of, iter_dir, saved  # noqa: F401  (fixtures)
+
+
+def _json(proc):
+    return json.loads(proc.stdout)
+
+
+def test_clean_checkpoint_exit_0(saved):
+    proc = run_cli(["inspect", saved["torch_dist"]])
+    assert proc.returncode == 0, proc.stderr
+    assert "format:     torch_dist" in proc.stdout and proc.stdout.rstrip().endswith("no problems found")
+
+
+def test_json_contract(saved, tmp_path):
+    proc = run_cli(["inspect", saved["fsdp_collide"], "--json", "--ep", "2"])
+    assert proc.returncode == 1 and proc.stderr == ""
+    d = _json(proc)
+    assert d["format"] == "fsdp_dtensor" and d["iteration"] == 20
+    assert [p["code"] for p in d["problems"]] == ["expert-key-collision", "rng-2d-under-ep"]
+    assert all(set(p) >= {"code", "message"} for p in d["problems"])
+    assert d["coverage_problems"] == [] and len(d["expert_problems"]) == 1 and "readable_by" in d
+
+    from ckpt_makers import save_legacy
+
+    root = os.path.dirname(save_legacy(str(tmp_path / "leg"), 2, 1, 2))
+    d = _json(run_cli(["inspect", root, "--json", "--tp", "2", "--pp", "1", "--ep", "2"]))
+    assert (d["format"], d["layout"], d["loader"]) == ("torch", "2D", "ep-aware")
+    assert d["expected"] == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert d["missing"] == d["extra"] == [] and d["problems"] == []
+
+
+def test_unreadable_and_bad_usage_exit_2(saved, copy_of, tmp_path):
+    root = copy_of(saved["torch_dist"])
+    with open(os.path.join(iter_dir(root), ".metadata"), "r+b") as f:
+        f.truncate(100)
+    for args in (["inspect", root], ["inspect", str(tmp_path / "absent")], ["inspect", root, "--tp", "0"],
+                 ["inspect", str(tmp_path)]):
+        proc = run_cli(args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_cli(["inspect", root, "--json"])
+    assert proc.returncode == 2 and _json(proc)["problems"][0]["code"] == "unreadable"
+    assert "truncated or corrupt" in proc.stderr
+
+
+def test_doctor_imports_only_on_inspect():
+    """`import mcore_ckpt_fixes` does not load the doctor; the doctor loads no fix, no torch, no Megatron."""
+    out = run_py("""
+        import sys
+        import mcore_ckpt_fixes
+        assert "mcore_ckpt_fixes.doctor" not in sys.modules
+        before = set(sys.modules)
+        import mcore_ckpt_fixes.doctor
+        added = set(sys.modules) - before
+        heavy = sorted(m for m in added if m.split(".")[0] in ("torch", "megatron", "numpy")
+                       or m.startswith(("mcore_ckpt_fixes.fixes", "mcore_ckpt_fixes.engine", "mcore_ckpt_fixes.scenarios")))
+        print(heavy)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

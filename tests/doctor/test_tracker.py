@@ -1,0 +1,53 @@
+"""Tracker file against iter_* directories (on a real torch_dist save of this release)."""
+
+import os
+import shutil
+
+from doctor_fixtures import copy_of, iter_dir, saved  # noqa: F401  (fixtures)
+from mcore_ckpt_fixes.doctor import Unreadable, inspect
+
+import pytest
+
+
+def codes(r):
+    return [p["code"] for p in r.problems]
+
+
+def test_tracker_points_at_missing_iteration(saved, copy_of):
+    root = copy_of(saved["torch_dist"])
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2000\n")
+    r = inspect(root)
+    assert codes(r) == ["tracker-missing-iteration"] and r["iteration"] == 2000
+    assert r.problems[0]["message"] == ("latest_checkpointed_iteration.txt says 2000 but iter_0002000 does not exist: "
+                                        "Megatron fails to load (on disk: iter_0000010)")
+
+
+def test_tracker_missing_is_a_silent_restart(saved, copy_of):
+    root = copy_of(saved["torch_dist"])
+    os.remove(os.path.join(root, "latest_checkpointed_iteration.txt"))
+    r = inspect(root)
+    assert codes(r) == ["tracker-missing"] and r["iteration"] == 10 and r["format"] == "torch_dist"
+    assert "starts from scratch" in r.problems[0]["message"]
+
+
+def test_tracker_invalid_and_iteration_flag(saved, copy_of):
+    root = copy_of(saved["torch_dist"])
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("latest")
+    assert codes(inspect(root)) == ["tracker-invalid"]
+    r = inspect(saved["torch_dist"], iteration=10)
+    assert r.ok and r["iteration"] == 10
+    assert codes(inspect(saved["torch_dist"], iteration=11)) == ["iteration-missing"]
+
+
+def test_iteration_directory_given_directly(saved):
+    r = inspect(iter_dir(saved["torch_dist"]))
+    assert r.ok and r["iteration"] == 10 and "tracker" not in r.data
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(Unreadable, match="is not a Megatron checkpoint"):
+        inspect(str(tmp_path))
+    with pytest.raises(Unreadable, match="no such directory"):
+        inspect(str(tmp_path / "absent"))
