@@ -65,3 +65,32 @@ def test_doctor_imports_only_on_inspect():
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _tree_state(root):
+    """Every file and directory under ``root`` with its size, mtime and bytes: what a read-only
+    command must leave exactly as it found it."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            content = open(path, "rb").read() if os.path.isfile(path) else None
+            state[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, st.st_mode, content)
+    return state
+
+
+def test_inspect_modifies_nothing(saved, copy_of, tmp_path):
+    """Clean, damaged and legacy checkpoints, text and JSON: the tree is byte-for-byte unchanged."""
+    from ckpt_makers import save_legacy
+
+    damaged = copy_of(saved["torch_dist"])
+    os.remove(os.path.join(iter_dir(damaged), "metadata.json"))
+    legacy = os.path.dirname(save_legacy(str(tmp_path / "leg"), 2, 1, 2))
+    for root, extra in ((saved["torch_dist"], []), (saved["fsdp_collide"], ["--ep", "2"]), (damaged, []),
+                        (legacy, ["--tp", "2", "--pp", "2"])):
+        before = _tree_state(root)
+        for fmt in ([], ["--json"]):
+            proc = run_cli(["inspect", root, *extra, *fmt])
+            assert proc.returncode in (0, 1, 2), proc.stderr
+        assert _tree_state(root) == before, root
