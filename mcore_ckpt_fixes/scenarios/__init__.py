@@ -205,6 +205,35 @@ SCENARIOS += (
 )
 
 
+_MIMO = "mcore_ckpt_fixes.scenarios.mimo_optimizer"
+
+
+def _mimo_collision(idxs):
+    """Megatron's save-time validation error when two modules' DistributedOptimizers both name
+    their objects ``optimizer.distributed.dp_group_idx_<mp rank>...`` (defect (d))."""
+    errors = []
+    for i in idxs:
+        for what in ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded"):
+            errors.append(f"Duplicate ShardedObject keys: ['optimizer.distributed.dp_group_idx_{i}.{what}/shard_0_1']")
+            errors.append("Invalid access pattern: -1 ShardedObject are missing.")
+    return "CheckpointingException: Invalid sharding pattern validation. Errors: " + "\n".join(errors)
+
+
+# mimo-optimizer: non-colocated MimoOptimizer over DistributedOptimizers (dp_reshardable: the only
+# sharding type that round-trips on CPU, see scenarios/mimo_optimizer.py). Registered: world 2
+# (selftest runs 2 ranks by default). The world-4 TP=2 variant (same function, 4 ranks,
+# MIMO_WORLD4_BUG) is run by tests/fixes/test_mimo_optimizer.py.
+_MIMO_REQUIRES = ("megatron.core.models.mimo.optimizer:MimoOptimizer",)
+MIMO_WORLD4_BUG = Bug.raises("save", _mimo_collision([0, 1]))
+SCENARIOS += (
+    Scenario(
+        "mimo-optimizer", "world2", f"{_MIMO}:round_trip", 2,
+        Bug.raises("save", _mimo_collision([0])),
+        prepare=f"{_MIMO}:prepare", devices=("cpu",), requires=_MIMO_REQUIRES,
+        doc="language on rank 0, vision on rank 1, DistributedOptimizer dp_reshardable",
+    ),
+)
+
 _DTP = "mcore_ckpt_fixes.scenarios.dtensor_placement"
 # dtensor-placement, unpatched (0.16-0.19 alike). moe_ep: the expert shards get dense-DP offsets
 # (4 chunks where expert DP has 2) and SequentialMLP makes expert-DP rank 1 a non-main replica, so

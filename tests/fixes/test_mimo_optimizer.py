@@ -1,0 +1,106 @@
+"""mimo-optimizer: both halves on every release line, real MimoOptimizer over real DistributedOptimizers.
+
+Non-colocated modules, gloo on CPU: world 2 (language on rank 0, vision on rank 1) and world 4
+(TP=2 per module). Inner sharding type ``dp_reshardable``: on CPU the other DistributedOptimizer
+types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/scenarios/mimo_optimizer.py).
+What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tensor.cuda()`` and
+``Tensor.type()`` names (a TorchFunctionMode), besides harness/cpu_shims.py.
+"""
+
+import pytest
+
+from conftest import run_cli
+
+from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
+from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.scenarios import MIMO_WORLD4_BUG, for_fix, resolve
+
+SCENARIO = for_fix("mimo-optimizer")[0]
+WORLDS = {"world2": (2, SCENARIO.bug), "world4_tp2": (4, MIMO_WORLD4_BUG)}
+
+
+def _has_mimo_optimizer():
+    try:
+        import megatron.core.models.mimo.optimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _need_mimo(version):
+    if not _has_mimo_optimizer():
+        assert version not in FIX.specifiers
+        pytest.skip("megatron.core.models.mimo ships from 0.17 (0.16: not-applicable, see test_status_on_this_release)")
+
+
+def test_registry_declares_the_round_trip():
+    assert [s.name for s in for_fix("mimo-optimizer")] == ["world2"]
+    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.scenarios.mimo_optimizer:round_trip"
+    for bug, idxs in ((SCENARIO.bug, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
+        assert bug.kind == "raises" and bug.phase == "save"
+        assert bug.error.startswith("CheckpointingException: Invalid sharding pattern validation. Errors: ")
+        for i in idxs:
+            assert f"Duplicate ShardedObject keys: ['optimizer.distributed.dp_group_idx_{i}.optimizer/shard_0_1']" in bug.error
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_parent():
+    resolve(SCENARIO.prepare)()
+
+
+def _run(world, patched, tmp_path):
+    nproc, _ = WORLDS[world]
+    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+    return values(
+        run_world(SCENARIO.func, nproc, {"ckpt_dir": str(tmp_path), "patched": patched}, env=env, timeout=300)
+    )
+
+
+def _assert_exact(results, expected_state):
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert r["bad_groups"] == [] and r["sharding_type"] == "dp_reshardable", (rank, r)
+        assert r["fix_state"] == {"megatron.core.models.mimo.optimizer": expected_state}, (rank, r["fix_state"])
+    assert [r["module"] for r in results] == ["language"] * (len(results) // 2) + ["vision"] * (len(results) // 2)
+
+
+def test_status_on_this_release(mcore_version):
+    """``status`` (a fresh interpreter, as a user runs it) names this release's verdict."""
+    proc = run_cli(["status"])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("mimo-optimizer "))
+    if not _has_mimo_optimizer():  # 0.16: the module does not exist
+        assert mcore_version not in FIX.specifiers
+        assert " not-applicable " in line and "No module named" in line, line
+    elif mcore_version in FIX.specifiers:
+        assert " applied " in line, line
+        # The probe names each defect it found: all four on 0.17, only the key collision on 0.18.
+        found = {d for d in "abcd" if f"({d}) " in line}
+        assert found == (set("abcd") if mcore_version.release[:2] == (0, 17) else {"d"}), line
+        assert "(d) inner keys are not prefixed by module" in line, line
+    else:
+        assert " not-needed " in line, line
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_unpatched(world, tmp_path, mcore_version):
+    _need_mimo(mcore_version)
+    results = _run(world, False, tmp_path)
+    bug = WORLDS[world][1]
+    if mcore_version in FIX.specifiers:
+        for rank, r in enumerate(results):
+            assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
+        # Megatron raises on global rank 0 (its validation runs there); the others learn it.
+        assert results[0]["rank_errors"][0] == bug.error
+        assert bug.seen_in(results)
+    else:
+        _assert_exact(results, "disabled")
+        assert not bug.seen_in(results)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_patched_round_trip_is_exact(world, tmp_path, mcore_version):
+    _need_mimo(mcore_version)
+    results = _run(world, True, tmp_path)
+    _assert_exact(results, "applied" if mcore_version in FIX.specifiers else "not-needed")
+    assert all(r["warnings"] == [] for r in results)  # a current-layout checkpoint: no warning
