@@ -1,14 +1,301 @@
-"""expert-keys: fsdp_dtensor expert biases keep local indices, so EP ranks write the same key.
+"""expert-keys: every expert-parallel rank writes its experts under their global index (fsdp_dtensor).
 
-Registered so that ``status`` lists it honestly; not implemented yet (issue #6): nothing is patched.
+Affected: Megatron-Core 0.16.0 - 0.19.2 (not fixed upstream at the time of writing). Upstream code:
+``handle_experts_in_state_dict`` / ``expert_param_local_key`` / ``get_expert_index_from_key`` in
+``megatron/core/transformer/fsdp_dtensor_checkpoint.py`` (NVIDIA/Megatron-LM, the Megatron-FSDP
+``fsdp_dtensor`` checkpoint format); bound by name in ``megatron.training.checkpointing`` (0.17+, and
+Megatron-LM checkouts) and ``megatron.core.optimizer.distrib_optimizer`` (optimizer state names).
+
+Failures prevented, for ``fsdp_dtensor`` checkpoints under expert parallelism (EP > 1):
+
+* TE grouped experts keep their biases as ``...mlp.experts.linear_fc1.bias{i}`` /
+  ``linear_fc2.bias{i}`` with the *local* index ``i``. Upstream renames ``weight{i}`` to the global
+  expert index but not ``bias{i}``, so every EP rank writes the same bias keys (model and optimizer
+  state), DCP keeps one rank's copy, and on load the other EP ranks get that rank's expert biases:
+  silently wrong, no error.
+* ``num_experts=None`` with expert keys present: upstream "renames" each key to itself and then
+  deletes it, so every expert tensor silently vanishes from the checkpoint. Now one clear
+  ``ValueError`` naming the key and what is accepted.
+* An un-indexed single grouped tensor (``moe_single_grouped_weight`` / ``_bias``, 0.18+:
+  ``...linear_fc1.weight``) trips ``AssertionError: Failed to parse expert index from key``. It holds
+  all of this rank's experts in one tensor and carries no expert index: with EP = 1 it is already
+  global and is kept as is; with EP > 1 every EP rank would write the same key, so the fix refuses
+  with one clear ``ValueError`` instead of writing a checkpoint in which ranks load each other's
+  experts.
+
+How: the three module-level functions are replaced (the engine rebinds them in every module that
+imported them by name). Keys are parsed once by two patterns (TE grouped ``weight|bias`` with an
+optional index and SwiGLU ``_w`` / ``_v`` suffix; SequentialMLP ``local_experts.{i}.``); an index is
+made global (``i + ep_rank * num_local_experts``) or local again by rebuilding the key from its
+parts, not by ``str.replace`` (which also hit ``weight1`` inside ``weight10``). Keys already carrying
+this rank's global index are kept, as upstream does, so applying the renaming twice is harmless.
 """
 
-from ..engine.fix import Fix
+from __future__ import annotations
+
+import re
+import types
+
+from ..engine.fix import Fix, Target
+from ..engine.patching import Patcher, is_replacement, mark, original
+
+ID = "expert-keys"
+MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+NAMES = ("get_expert_index_from_key", "handle_experts_in_state_dict", "expert_param_local_key")
+# Modules known to bind these names with ``from ... import`` (the engine rebinds every loaded module).
+ALIAS_SITES = ("megatron.training.checkpointing", "megatron.core.optimizer.distrib_optimizer")
+
+
+# -- replacement ---------------------------------------------------------------------------------
+# (tools/patchgen/expert_keys.py copies the code from here to the end marker into the upstream file
+# for patches/expert-keys/: keep it self-contained, ``re`` and ``sys`` only.)
+
+# TE grouped experts: 'mlp.experts.linear_fc1.weight3', '...linear_fc2.bias3', SwiGLU halves
+# '...linear_fc1.weight3_w' / '_v'; no index: one grouped tensor of all local experts (0.18+).
+_GROUPED_EXPERT_KEY = re.compile(
+    r"^(?P<head>(?:.*\.)?mlp\.experts\.linear_fc\d\.(?:weight|bias))(?P<index>\d*)(?P<tail>_[wv])?$"
+)
+# SequentialMLP: 'mlp.experts.local_experts.3.linear_fc1.weight' (weights and biases alike).
+_SEQUENTIAL_EXPERT_KEY = re.compile(r"^(?P<head>(?:.*\.)?mlp\.experts\.local_experts\.)(?P<index>\d+)(?P<tail>\..+)$")
+
+
+def _parse_expert_key(key):
+    """(head, index or None, tail) for an expert key, None for any other key."""
+    m = _GROUPED_EXPERT_KEY.match(key) or _SEQUENTIAL_EXPERT_KEY.match(key)
+    if m is None:
+        return None
+    return m.group("head"), (int(m.group("index")) if m.group("index") else None), m.group("tail") or ""
+
+
+def _ep_layout(num_experts):
+    """(ep_size, ep_rank, num_local_experts, offset of this rank's first expert)."""
+    import sys
+
+    # Read through the module's namespace, not imported here: the probe swaps it for a stand-in.
+    ps = sys.modules[MODULE].parallel_state
+    # 0 when parallel_state is not initialised (a single-process conversion script): one EP rank.
+    # (upstream's get_ep_layer_offset divides by it.)
+    ep_size = max(ps.get_expert_model_parallel_world_size(), 1)
+    ep_rank = ps.get_expert_model_parallel_rank()
+    num_local = num_experts // ep_size
+    return ep_size, ep_rank, num_local, ep_rank * num_local
+
+
+def get_expert_index_from_key(key):
+    """The expert index in an expert key (weights and biases, TE grouped or SequentialMLP), else None.
+
+    None also for a single grouped tensor (``...linear_fc1.weight``): it has no per-expert index.
+    """
+    parsed = _parse_expert_key(key)
+    return None if parsed is None else parsed[1]
+
+
+def handle_experts_in_state_dict(state_dict, num_experts=None):
+    """Rename this EP rank's expert keys from local to global expert indices (weights and biases).
+
+    Returns a copy; values are untouched (the optimizer maps parameters to names by identity).
+    """
+    parsed = {k: p for k, p in ((k, _parse_expert_key(k)) for k in state_dict) if p is not None}
+    if not parsed:
+        return state_dict.copy()
+    if not num_experts:
+        example = next(iter(parsed))
+        raise ValueError(
+            f"handle_experts_in_state_dict: num_experts={num_experts!r} but the state dict has expert "
+            f"keys (e.g. {example!r}); pass the model's total number of experts "
+            f"(config.num_moe_experts, an int > 0)"
+        )
+    ep_size, ep_rank, num_local, offset = _ep_layout(num_experts)
+    renamed = {}
+    for key, (head, index, tail) in parsed.items():
+        if index is None:
+            if ep_size > 1:
+                raise ValueError(
+                    f"handle_experts_in_state_dict: {key!r} is one grouped tensor of this rank's "
+                    f"{num_local} experts (moe_single_grouped_weight/moe_single_grouped_bias) and has "
+                    f"no expert index to make global under expert_model_parallel_size={ep_size}, so EP "
+                    f"ranks would write the same key; fsdp_dtensor checkpoints accept per-expert tensors "
+                    f"(moe_single_grouped_weight=False, moe_single_grouped_bias=False) or "
+                    f"expert_model_parallel_size=1"
+                )
+            continue  # EP = 1: the grouped tensor already holds every expert
+        if offset <= index < offset + num_local:
+            continue  # already this rank's global index (rank 0: local == global)
+        if not 0 <= index < num_local:
+            raise ValueError(
+                f"handle_experts_in_state_dict: expert index {index} in {key!r} is neither a local "
+                f"index (0..{num_local - 1}) nor one of EP rank {ep_rank}'s global indices "
+                f"({offset}..{offset + num_local - 1}) for num_experts={num_experts}, "
+                f"expert_model_parallel_size={ep_size}"
+            )
+        renamed[key] = f"{head}{index + offset}{tail}"
+    out = state_dict.copy()
+    out.clear()  # same mapping type as the input, keys in the input's order
+    for key, value in state_dict.items():
+        new_key = renamed.get(key, key)
+        if new_key in out:
+            raise ValueError(f"handle_experts_in_state_dict: {key!r} and another key both map to {new_key!r}")
+        out[new_key] = value
+    return out
+
+
+def expert_param_local_key(key, num_experts=None):
+    """The local parameter name of a key that carries a global expert index (weights and biases)."""
+    parsed = _parse_expert_key(key)
+    if parsed is None or parsed[1] is None or not num_experts:
+        return key  # not an expert key, a grouped tensor without index, or nothing was renamed
+    head, index, tail = parsed
+    ep_size, ep_rank, num_local, offset = _ep_layout(num_experts)
+    if not offset <= index < offset + num_local:
+        raise ValueError(
+            f"expert_param_local_key: expert index {index} in {key!r} is not one of EP rank {ep_rank}'s "
+            f"global indices ({offset}..{offset + num_local - 1}) for num_experts={num_experts}, "
+            f"expert_model_parallel_size={ep_size}"
+        )
+    return f"{head}{index - offset}{tail}"
+
+
+# -- end of replacement ---------------------------------------------------------------------------
+
+# The implementations above, as patches/expert-keys/ puts them into the upstream file.
+_FIXED = {name: globals()[name] for name in NAMES}
+
+
+def _active(name, replacement):
+    """Is ``replacement`` still what the upstream module binds? A module that imported the name
+    after the fix was applied (``from ... import handle_experts_in_state_dict`` in
+    ``distrib_optimizer`` or ``training.checkpointing``) holds our function and is not among the
+    bindings ``revert()`` restores: once reverted, such a copy must behave as upstream's again."""
+    import sys
+
+    module = sys.modules.get(MODULE)
+    return module is not None and module.__dict__.get(name) is replacement
+
+
+# The functions bound in Megatron's modules: plain module-level functions (picklable by name).
+
+
+@mark(ID)
+def get_expert_index_from_key(key):
+    if not _active("get_expert_index_from_key", get_expert_index_from_key):
+        return original(MODULE, "get_expert_index_from_key")(key)
+    return _FIXED["get_expert_index_from_key"](key)
+
+
+@mark(ID)
+def handle_experts_in_state_dict(state_dict, num_experts=None):
+    if not _active("handle_experts_in_state_dict", handle_experts_in_state_dict):
+        return original(MODULE, "handle_experts_in_state_dict")(state_dict, num_experts)
+    return _FIXED["handle_experts_in_state_dict"](state_dict, num_experts)
+
+
+@mark(ID)
+def expert_param_local_key(key, num_experts=None):
+    if not _active("expert_param_local_key", expert_param_local_key):
+        return original(MODULE, "expert_param_local_key")(key, num_experts)
+    return _FIXED["expert_param_local_key"](key, num_experts)
+
+
+for _name in NAMES:  # the docstrings Megatron's readers see
+    globals()[_name].__doc__ = _FIXED[_name].__doc__
+del _name
+
+
+# -- probe: the release's own functions on inert stand-ins -------------------------------------------
+
+_PROBE_PREFIX = "decoder.layers.0.mlp.experts."
+
+
+def _probe_parallel_state(real, ep_size, ep_rank):
+    """Stands in for ``parallel_state`` in the module's namespace during the probe only."""
+    ns = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    ns.get_expert_model_parallel_world_size = lambda: ep_size
+    ns.get_expert_model_parallel_rank = lambda: ep_rank
+    return ns
+
+
+def _call_with_ep(module, fns, name, ep_size, ep_rank, *args):
+    """Call the release's ``name`` with the release's own helpers in place (after apply the module's
+    globals are ours) and a fake EP layout, in the module's namespace for the duration only."""
+    saved = {n: module.__dict__[n] for n in (*NAMES, "parallel_state") if n in module.__dict__}
+    for n, fn in fns.items():
+        if fn is not None:
+            module.__dict__[n] = fn
+    module.parallel_state = _probe_parallel_state(saved["parallel_state"], ep_size, ep_rank)
+    try:
+        return fns[name](*args)
+    finally:
+        module.__dict__.update(saved)
+
+
+def probe(module: types.ModuleType):
+    fns = {}
+    for name in NAMES:
+        fn = module.__dict__.get(name)
+        if fn is not None and is_replacement(fn):
+            fn = original(module, name)  # re-probed after apply (reload): judge upstream's code
+        fns[name] = fn
+    if fns["handle_experts_in_state_dict"] is None or "parallel_state" not in module.__dict__:
+        return None, f"{MODULE} has no handle_experts_in_state_dict (fsdp_dtensor expert handling absent)"
+    problems = []
+
+    def handle(ep_size, ep_rank, *args):
+        return _call_with_ep(module, fns, "handle_experts_in_state_dict", ep_size, ep_rank, *args)
+
+
+    # EP rank 1 of 2, 4 experts: local 0, 1 must become global 2, 3 for weights and biases alike.
+    keys = [f"{_PROBE_PREFIX}linear_fc{f}.{p}{i}" for f in (1, 2) for p in ("weight", "bias") for i in (0, 1)]
+    out = handle(2, 1, dict.fromkeys(keys), 4)
+    if f"{_PROBE_PREFIX}linear_fc1.bias0" in out or f"{_PROBE_PREFIX}linear_fc1.bias2" not in out:
+        problems.append("expert biases keep their local index under EP")
+
+    # num_experts=None with expert keys: an error is fine, losing the keys is not.
+    try:
+        out = handle(1, 0, dict.fromkeys(keys), None)
+        if len(out) != len(keys):
+            problems.append("num_experts=None drops every expert key")
+    except ValueError:
+        pass
+
+    # A single grouped tensor (no index) with EP = 1 must pass through.
+    single = {f"{_PROBE_PREFIX}linear_fc1.weight": None, f"{_PROBE_PREFIX}linear_fc2.bias": None}
+    try:
+        out = handle(1, 0, single, 4)
+        if set(out) != set(single):
+            problems.append("a single grouped expert tensor is renamed")
+    except AssertionError:
+        problems.append("a single grouped expert tensor (no index) asserts")
+
+    if fns["expert_param_local_key"] is not None and not problems:
+        key = f"module.{_PROBE_PREFIX}linear_fc1.bias3"
+        got = _call_with_ep(module, fns, "expert_param_local_key", 2, 1, key, 4)
+        if got != f"module.{_PROBE_PREFIX}linear_fc1.bias1":
+            problems.append("expert_param_local_key does not map global bias indices back")
+    if problems:
+        return True, "; ".join(problems)
+    return False, "expert weights and biases get global indices; num_experts=None and grouped tensors handled"
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    replacements = {
+        "get_expert_index_from_key": get_expert_index_from_key,
+        "handle_experts_in_state_dict": handle_experts_in_state_dict,
+        "expert_param_local_key": expert_param_local_key,
+    }
+    for name, new in replacements.items():
+        if name in module.__dict__:
+            # Also rebinds ``from ... import name`` in megatron.training.checkpointing,
+            # megatron.core.optimizer.distrib_optimizer and any user module already loaded.
+            patcher.replace_function(module, name, new)
+
 
 FIX = Fix(
-    id="expert-keys",
-    summary="fsdp_dtensor expert biases keep local indices, so EP ranks write the same key",
+    id=ID,
+    summary="fsdp_dtensor expert biases get global indices under EP; num_experts=None and grouped tensors handled",
     affected=">=0.16.0,<=0.19.2",
-    implemented=False,
-    tracking="issue #6",
+    upstream=(
+        "not fixed upstream as of Megatron-Core 0.19.2: megatron/core/transformer/fsdp_dtensor_checkpoint.py "
+        "handle_experts_in_state_dict renames expert weights only",
+    ),
+    targets=(Target(MODULE, probe, apply, alias_sites=ALIAS_SITES),),
 )

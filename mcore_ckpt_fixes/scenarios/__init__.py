@@ -262,6 +262,42 @@ SCENARIOS += (
 )
 
 
+_EK = "mcore_ckpt_fixes.scenarios.expert_keys"
+_EK_REQUIRES = ("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_experts_in_state_dict",)
+# expert-keys, unpatched: the round trip completes and the EP-rank-0 ranks load EP rank 1's expert
+# biases (model and Adam state); the tests pin exactly which rank's values each rank gets.
+SCENARIOS += (
+    Scenario(
+        "expert-keys", "ep2", f"{_EK}:ep2", 2, Bug.wrong_values(),
+        prepare=f"{_EK}:prepare", devices=("cpu",), timeout=180, requires=_EK_REQUIRES,
+        doc="EP=2, 4 TE grouped experts (weight{i}/bias{i}) as Megatron-FSDP DTensors + Adam state, fsdp_dtensor preprocessing, DCP",
+    ),
+    Scenario(
+        "expert-keys", "ep2_dp2", f"{_EK}:ep2_dp2", 4, Bug.wrong_values(),
+        prepare=f"{_EK}:prepare", devices=("cpu",), timeout=240, requires=_EK_REQUIRES,
+        doc="the same with EP=2 x expert-DP=2 on 4 ranks (uneven FSDP shards, one empty)",
+    ),
+)
+
+_HG = "mcore_ckpt_fixes.scenarios.hsdp_ep_guard"
+# hsdp-ep-guard is a guard: with it, HSDP x EP=2 is refused at set-up with the guard's one line
+# (the scenario accepts exactly that line as the outcome) and the other configurations round-trip;
+# without it, 0.16 places the experts on the dense mesh, which the scenario reports as below.
+SCENARIOS += (
+    Scenario(
+        "hsdp-ep-guard", "configurations", f"{_HG}:configurations", 4,
+        Bug.raises(
+            "placement",
+            "AssertionError: hsdp_ep2: expert parameters are sharded on the dense data-parallel mesh, "
+            "not over their expert-data-parallel ranks",
+        ),
+        prepare=f"{_HG}:prepare", devices=("cpu",), timeout=240,
+        requires=("megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel",),
+        doc="Megatron-FSDP meshes for EP=2, HSDP, HSDP x EP=2 on 4 ranks; DCP round trip on each accepted one",
+    ),
+)
+
+
 def for_fix(fix_id: str):
     """The scenarios registered for ``fix_id``, in declaration order (possibly none)."""
     return tuple(s for s in SCENARIOS if s.fix_id == fix_id)

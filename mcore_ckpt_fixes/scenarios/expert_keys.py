@@ -1,0 +1,333 @@
+"""expert-keys round trips: a MoE layer's state as Megatron-FSDP hands it to an ``fsdp_dtensor``
+checkpoint under expert parallelism, DCP save and load, every rank's shards compared.
+
+What is real: ``parallel_state`` (EP=2 over a gloo world), Megatron-FSDP's meshes built by the real
+``FullyShardedDataParallel._init_dist_index`` (the dense data-parallel mesh and the expert mesh),
+``make_fsdp_dtensor`` with uneven chunk metadata (the call Megatron-FSDP makes for each parameter),
+the checkpoint preprocessing (``megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict``
+where the wheel ships ``megatron.training``, 0.17+; on 0.16 the same steps called from
+``megatron.core``, as a Megatron-LM checkout of that release does), the optimizer's parameter
+names (``DistributedOptimizer._param_name``, through the name bound in ``distrib_optimizer``), and
+torch DCP save/load (strict load: a missing key fails).
+
+What is built by hand, and why: the model. Its expert layer is Transformer Engine's grouped MLP
+(``TEGroupedMLP``: ``linear_fc1.weight{i}`` / ``linear_fc1.bias{i}`` / ``linear_fc2.*{i}``, one tensor
+per local expert), and TE cannot be installed on a CPU host, nor can Megatron-FSDP's CUDA buffers be
+built here. So the stand-in is a plain module tree with exactly those parameter names, wrapped the way
+``FullyShardedDataParallel(MegatronFSDP(model))`` names them (``module.module.``), each parameter this
+rank's row-aligned uneven FSDP shard of its tensor as a DTensor on the mesh Megatron-FSDP would use
+(experts: the expert mesh, over the expert-data-parallel ranks; the rest: the dense mesh), plus Adam
+state (``exp_avg``, ``exp_avg_sq``, ``step``) keyed by the optimizer's names.
+
+Values are a function of (seed, tensor name, *global* expert index) only: each rank knows what every
+other rank saved, so a wrong load is reported as which rank's values it got (``loaded_from``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+import types
+import zlib
+
+import torch
+import torch.distributed as dist
+
+SAVE_SEED, FRESH_SEED = 1234, 98765
+EP, NUM_EXPERTS = 2, 4
+NUM_LOCAL = NUM_EXPERTS // EP
+HIDDEN, FFN = 4, 6
+LAYER = "decoder.layers.0"
+_MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+FIX_ID = "expert-keys"
+
+
+def prepare() -> None:
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter  # noqa: F401
+    import megatron.core.optimizer.distrib_optimizer  # noqa: F401
+    import megatron.core.transformer.fsdp_dtensor_checkpoint  # noqa: F401
+
+    try:
+        import megatron.training.checkpointing  # noqa: F401  (0.17+ wheels, Megatron-LM checkouts)
+    except ImportError:
+        pass
+
+
+def _shapes():
+    """{local parameter name: (shape, global expert index or None)} for this layer (TE grouped experts)."""
+    out = {
+        f"{LAYER}.self_attention.linear_proj.weight": ((HIDDEN, HIDDEN), None),
+        f"{LAYER}.self_attention.linear_proj.bias": ((HIDDEN,), None),
+        f"{LAYER}.mlp.router.weight": ((NUM_EXPERTS, HIDDEN), None),
+    }
+    for i in range(NUM_LOCAL):
+        out[f"{LAYER}.mlp.experts.linear_fc1.weight{i}"] = ((FFN, HIDDEN), i)
+        out[f"{LAYER}.mlp.experts.linear_fc1.bias{i}"] = ((FFN,), i)
+        out[f"{LAYER}.mlp.experts.linear_fc2.weight{i}"] = ((HIDDEN, FFN), i)
+        out[f"{LAYER}.mlp.experts.linear_fc2.bias{i}"] = ((HIDDEN,), i)
+    return out
+
+
+def _values(seed, name, shape, local_index, ep_rank, what="param"):
+    """The full (unsharded) tensor ``name`` as EP rank ``ep_rank`` holds it: experts by global index."""
+    generic = name
+    if local_index is not None:
+        generic = name.rstrip("0123456789") + str(ep_rank * NUM_LOCAL + local_index)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{what}/{generic}".encode()))
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def _cut(rows, dp_rank, dp_size):
+    """Row-aligned, uneven FSDP cut of ``rows`` rows (Megatron-FSDP slices a flat bucket evenly, so a
+    single parameter's share is uneven, possibly empty): (first row, end row) of ``dp_rank``."""
+    bounds = [min(rows, -(-rows * k * 5 // (4 * dp_size))) for k in range(dp_size)] + [rows]
+    return bounds[dp_rank], bounds[dp_rank + 1]
+
+
+class _CpuDeviceMesh:
+    """``DeviceMesh`` as the Megatron-FSDP adapter sees it, with its meshes on the CPU: the adapter
+    asks for ``device_type="cuda"``, and DTensors of a CUDA mesh move their local tensor to CUDA."""
+
+    @staticmethod
+    def from_group(*args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        kwargs["device_type"] = "cpu"
+        return DeviceMesh.from_group(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_meshes():
+    """Worker-only shim (never installed by ``import mcore_ckpt_fixes``), restored on exit."""
+    import torch.distributed.device_mesh
+
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+
+    saved = adapter.__dict__.get("DeviceMesh")
+    if torch.cuda.is_available() or saved is None:
+        yield
+        return
+    adapter.DeviceMesh = _CpuDeviceMesh
+    try:
+        yield
+    finally:
+        adapter.DeviceMesh = saved
+
+
+class _Layout:
+    """This rank's coordinates, and every rank's, from the real parallel_state / Megatron-FSDP meshes."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        ps.initialize_model_parallel(expert_model_parallel_size=EP)
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        edp = ps.get_expert_data_parallel_group()
+        dp = ps.get_data_parallel_group(with_context_parallel=True)
+        self.edp_rank, self.edp_size = edp.rank(), edp.size()
+        self.dp_rank, self.dp_size = dp.rank(), dp.size()
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads_params", num_distributed_optimizer_instances=1,
+        )
+        # The real mesh construction of FullyShardedDataParallel.__init__ (the rest of __init__ builds
+        # Megatron-FSDP's CUDA buffers, which a CPU host cannot), its meshes on the CPU.
+        with cpu_device_meshes():
+            # What __init__ has set on the wrapper by then (0.18+ reads num_moe_experts).
+            wrapper = types.SimpleNamespace(ddp_config=ddp_config, num_moe_experts=NUM_EXPERTS)
+            self.index = FullyShardedDataParallel._init_dist_index(wrapper, None)
+        coords = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.ep_rank, self.edp_rank, self.dp_rank))
+        self.coords = coords  # rank -> (ep rank, expert-dp rank, dense-dp rank)
+
+    def shard_of(self, rank, name, full, is_expert):
+        ep_rank, edp_rank, dp_rank = self.coords[rank]
+        r0, r1 = _cut(full.shape[0], edp_rank, self.edp_size) if is_expert else _cut(full.shape[0], dp_rank, self.dp_size)
+        return full[r0:r1]
+
+
+def _dtensor(layout, shard, full_shape, is_expert):
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor
+
+    template = torch.nn.Parameter(torch.empty(full_shape), requires_grad=False)
+    return make_fsdp_dtensor(
+        shard.clone(), template, layout.index, is_sharded_param=True, is_expert_param=is_expert,
+        update_uneven_dtensor_chunk_meta=True,
+    )
+
+
+class _Chunk(torch.nn.Module):
+    """``FullyShardedDataParallel`` -> ``MegatronFSDP`` -> model: parameter names ``module.module.*``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.module = torch.nn.Module()
+        self.module.module = inner
+        self.config = types.SimpleNamespace(num_moe_experts=NUM_EXPERTS)
+
+
+def _build(layout, seed):
+    """(model chunk, state dict to checkpoint, {compare key: expected local shard})."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    rank = dist.get_rank()
+    inner = torch.nn.Module()
+    params, expected = {}, {}
+    for name, (shape, local_index) in _shapes().items():
+        is_expert = local_index is not None
+        full = _values(seed, name, shape, local_index, layout.ep_rank)
+        shard = layout.shard_of(rank, name, full, is_expert)
+        param = torch.nn.Parameter(_dtensor(layout, shard, shape, is_expert), requires_grad=False)
+        owner = inner
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, param)
+        params[name] = param
+        expected[f"model/{name}"] = shard
+    chunk = _Chunk(inner)
+    # Optimizer state keyed as the distributed optimizer names it for fsdp_dtensor checkpoints.
+    namer = types.SimpleNamespace(model_chunks=[chunk])
+    state = {}
+    for name, param in params.items():
+        shape, local_index = _shapes()[name]
+        is_expert = local_index is not None
+        entry = {"step": torch.tensor(float(seed % 97))}
+        for sub in ("exp_avg", "exp_avg_sq"):
+            full = _values(seed, name, shape, local_index, layout.ep_rank, what=sub)
+            shard = layout.shard_of(rank, name, full, is_expert)
+            entry[sub] = _dtensor(layout, shard, shape, is_expert)
+            expected[f"optimizer/{name}/{sub}"] = shard
+        state[DistributedOptimizer._param_name(namer, param)] = entry
+    return chunk, {"model": dict(params), "optimizer": {"state": state}}, expected
+
+
+def _preprocess(chunk, state):
+    """The fsdp_dtensor checkpoint preprocessing of this release (save and load alike)."""
+    args = types.SimpleNamespace(swiglu=False, num_experts=NUM_EXPERTS)
+    try:
+        from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+    except ImportError:  # 0.16 wheel: the same steps, from megatron.core
+        import sys
+
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+            preprocess_state_dict_for_uneven_dtensor,
+        )
+
+        upstream = sys.modules[_MODULE]
+        state = dict(state)
+        upstream.handle_fp8_extra_state_case(state["model"])
+        state["model"] = upstream.handle_experts_in_state_dict(state["model"], args.num_experts)
+        preprocess_state_dict_for_uneven_dtensor(state)
+        return state, "megatron.core (0.16: megatron.training not in the wheel)"
+    return preprocess_fsdp_dtensor_state_dict(args, state, chunk), "megatron.training.checkpointing"
+
+
+def _collect(state, chunk):
+    """{compare key: this rank's local shard} out of the (preprocessed, loaded) state."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    namer = types.SimpleNamespace(model_chunks=[chunk])
+    params = dict(chunk.module.module.named_parameters())
+    out = {}
+    for name, param in params.items():
+        out[f"model/{name}"] = param.to_local()
+        opt_name = DistributedOptimizer._param_name(namer, param)
+        for sub in ("exp_avg", "exp_avg_sq"):
+            out[f"optimizer/{name}/{sub}"] = state["optimizer"]["state"][opt_name][sub].to_local()
+    return out
+
+
+def _fix_state(patched):
+    import mcore_ckpt_fixes
+
+    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
+    if patched:
+        assert row["state"] in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
+    else:
+        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
+    return {_MODULE: row["targets"].get(_MODULE, {}).get("state", row["state"])}
+
+
+def _sources(layout, key, got):
+    """The ranks whose saved local shard of ``key`` equals ``got`` (what a wrong load picked up)."""
+    kind, rest = key.split("/", 1)
+    name, _, sub = rest.partition("/")
+    shape, local_index = _shapes()[name]
+    found = []
+    for rank, (ep_rank, _, _) in enumerate(layout.coords):
+        full = _values(SAVE_SEED, name, shape, local_index, ep_rank, what=sub or "param")
+        shard = layout.shard_of(rank, name, full, local_index is not None)
+        if shard.shape == got.shape and torch.equal(shard, got):
+            found.append(rank)
+    return found
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    if device != "cpu":
+        raise ValueError("expert-keys scenarios run on CPU (gloo) only")
+    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "device": "cpu",
+              "loaded_from": {}, "via": None}
+    phase = "setup"
+    from megatron.core import parallel_state as ps
+
+    try:
+        layout = _Layout()
+        result["coords"] = layout.coords
+        chunk, state, expected = _build(layout, SAVE_SEED)
+        phase = "precondition"
+        result["fix_state"] = _fix_state(patched)
+        phase = "preprocess"
+        to_save, result["via"] = _preprocess(chunk, state)
+        result["saved_keys"] = sorted(to_save["model"])
+        phase = "save"
+        dcp.save(to_save, checkpoint_id=ckpt_dir)
+        dist.barrier()
+        phase = "build_fresh"
+        fresh_chunk, fresh_state, fresh_expected = _build(layout, FRESH_SEED)
+        same = [k for k, v in expected.items() if v.numel() and torch.equal(v, fresh_expected[k])]
+        assert not same, f"fresh state already equals the saved one on {same}: the check would be vacuous"
+        phase = "load_preprocess"
+        to_load, _ = _preprocess(fresh_chunk, fresh_state)
+        phase = "load"
+        dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=False))
+        phase = "compare"
+        got = _collect(to_load, fresh_chunk)
+        assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+        result["n_tensors"] = len(expected)
+        result["max_delta"] = {
+            k: float((expected[k] - got[k]).abs().max()) if expected[k].numel() else 0.0 for k in sorted(expected)
+        }
+        bad = sorted(k for k, d in result["max_delta"].items() if d != 0.0)
+        result["loaded_from"] = {k: _sources(layout, k, got[k]) for k in bad}
+        assert not bad, f"tensors differ after load: {bad}"
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["phase"] = phase
+        result["traceback"] = traceback.format_exc()
+    finally:
+        ps.destroy_model_parallel()
+    return result
+
+
+def ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 on 2 ranks: each rank owns 2 of 4 TE grouped experts (expert-data-parallel size 1)."""
+    assert world_size == 2, f"ep2 needs 2 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device)
+
+
+def ep2_dp2(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 x expert-DP=2 on 4 ranks: expert shards cut unevenly over the expert mesh, dense over 4."""
+    assert world_size == 4, f"ep2_dp2 needs 4 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device)

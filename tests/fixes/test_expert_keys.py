@@ -1,0 +1,247 @@
+"""expert-keys: both halves on every release line (0.16.1 - 0.19.2 are all affected).
+
+Round trips: real parallel_state (EP=2), the real Megatron-FSDP mesh construction, real
+``make_fsdp_dtensor``, the release's fsdp_dtensor preprocessing (``megatron.training.checkpointing``
+from 0.17, the same ``megatron.core`` steps on 0.16), the optimizer's real parameter naming, real
+torch DCP save/load. Built by hand: the model, because its experts are Transformer Engine's grouped
+MLP (``linear_fc1.weight{i}`` / ``bias{i}``), and TE (and Megatron-FSDP's CUDA buffers) cannot run on
+a CPU host: the keys and DTensors are made exactly as Megatron-FSDP names and shards them; see
+mcore_ckpt_fixes/scenarios/expert_keys.py.
+"""
+
+import pytest
+
+from conftest import check_py
+from mcore_ckpt_fixes.fixes.expert_keys import FIX
+from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.scenarios import for_fix
+
+SC = "mcore_ckpt_fixes.scenarios.expert_keys"
+SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
+MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+EXP = "decoder.layers.0.mlp.experts."
+BIASES = [f"linear_fc{f}.bias{i}" for f in (1, 2) for i in (0, 1)]
+# Every expert bias tensor of the layer, model and Adam state, as the scenario names them.
+BIAS_KEYS = sorted(
+    [f"model/{EXP}{b}" for b in BIASES] + [f"optimizer/{EXP}{b}/{s}" for b in BIASES for s in ("exp_avg", "exp_avg_sq")]
+)
+
+
+def test_registry_declares_every_round_trip():
+    assert {n: (s.nproc, s.bug.kind, s.func) for n, s in SCENARIOS.items()} == {
+        "ep2": (2, "wrong-values", f"{SC}:ep2"),
+        "ep2_dp2": (4, "wrong-values", f"{SC}:ep2_dp2"),
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_parent():
+    from mcore_ckpt_fixes.scenarios.expert_keys import prepare
+
+    prepare()
+
+
+def _run(name, patched, tmp_path):
+    s = SCENARIOS[name]
+    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+    return values(run_world(s.func, s.nproc, {"ckpt_dir": str(tmp_path), "patched": patched}, env=env, timeout=s.timeout))
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_unpatched_ep_rank_0_loads_ep_rank_1_biases(name, tmp_path, mcore_version):
+    assert mcore_version in FIX.specifiers  # every tested release line is affected
+    results = _run(name, False, tmp_path)
+    coords = results[0]["coords"]  # rank -> (ep rank, expert-dp rank, dense-dp rank)
+    for rank, r in enumerate(results):
+        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r["fix_state"])
+        assert r["n_tensors"] == 33 and r["phase"] in (None, "compare"), (rank, r["error"], r.get("traceback"))
+        ep_rank, edp_rank, _ = coords[rank]
+        if ep_rank == 0:
+            # Exactly the expert biases differ, and each holds what EP rank 1 (same expert-DP
+            # position) saved: that rank's experts 2 and 3, loaded as experts 0 and 1.
+            twin = next(t for t, c in enumerate(coords) if c[:2] == [1, edp_rank] or c[:2] == (1, edp_rank))
+            assert sorted(k for k, d in r["max_delta"].items() if d != 0.0) == BIAS_KEYS, (rank, r["max_delta"])
+            assert r["loaded_from"] == {k: [twin] for k in BIAS_KEYS}, (rank, r["loaded_from"])
+        else:
+            assert r["error"] is None and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+    assert SCENARIOS[name].bug.seen_in(results)  # selftest's judgement agrees
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
+    results = _run(name, True, tmp_path)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] == 33 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        ep_rank = r["coords"][rank][0]
+        # The keys written are global: EP rank 1 writes experts 2 and 3, weights and biases alike.
+        want = {f"{EXP}linear_fc{f}.{p}{2 * ep_rank + i}" for f in (1, 2) for p in ("weight", "bias") for i in (0, 1)}
+        assert want == {k for k in r["saved_keys"] if ".experts." in k}, (rank, r["saved_keys"])
+        assert r["via"].startswith("megatron.training" if mcore_version.release[:2] >= (0, 17) else "megatron.core")
+
+
+# -- the replacement's contract, in this process (EP layout set through parallel_state's setters) ---
+
+
+@pytest.fixture
+def ep():
+    import mcore_ckpt_fixes
+    from megatron.core import parallel_state as ps
+
+    import megatron.core.transformer.fsdp_dtensor_checkpoint  # noqa: F401
+
+    mcore_ckpt_fixes.apply()
+
+    def set_ep(size, rank):
+        ps.set_expert_model_parallel_world_size(size)
+        ps.set_expert_model_parallel_rank(rank)
+
+    yield set_ep
+    set_ep(None, None)
+
+
+def _mod():
+    import sys
+
+    from mcore_ckpt_fixes.fixes import expert_keys
+
+    mod = sys.modules[MODULE]
+    assert mod.handle_experts_in_state_dict is expert_keys.handle_experts_in_state_dict
+    return mod
+
+
+def test_renames_weights_biases_swiglu_halves_and_sequential(ep):
+    ep(2, 1)
+    keys = [f"{EXP}linear_fc1.weight0", f"{EXP}linear_fc1.bias1", f"{EXP}linear_fc1.weight1_w", f"{EXP}linear_fc1.bias0_v",
+            "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias", "decoder.layers.0.mlp.router.weight",
+            f"module.module.{EXP}linear_fc2.bias0"]
+    out = _mod().handle_experts_in_state_dict({k: i for i, k in enumerate(keys)}, 4)
+    assert list(out.items()) == [
+        (f"{EXP}linear_fc1.weight2", 0), (f"{EXP}linear_fc1.bias3", 1), (f"{EXP}linear_fc1.weight3_w", 2),
+        (f"{EXP}linear_fc1.bias2_v", 3), ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.bias", 4),
+        ("decoder.layers.0.mlp.router.weight", 5), (f"module.module.{EXP}linear_fc2.bias2", 6),
+    ]
+    assert _mod().handle_experts_in_state_dict(out, 4) == out  # already global: unchanged
+    assert _mod().get_expert_index_from_key(f"{EXP}linear_fc2.bias1") == 1
+    # Back to the local parameter (handle_swiglu_in_state_dict's optimizer path needs it for biases).
+    assert _mod().expert_param_local_key(f"{EXP}linear_fc1.bias3", 4) == f"{EXP}linear_fc1.bias1"
+    assert _mod().expert_param_local_key(f"{EXP}linear_fc1.weight2_w", 4) == f"{EXP}linear_fc1.weight0_w"
+
+
+def test_two_digit_indices(ep):
+    ep(2, 1)  # 24 experts, 12 local: local 1 -> 13 and local 10 -> 22 (str.replace would mangle 10)
+    out = _mod().handle_experts_in_state_dict({f"{EXP}linear_fc1.weight1": 1, f"{EXP}linear_fc1.weight10": 10}, 24)
+    assert out == {f"{EXP}linear_fc1.weight13": 1, f"{EXP}linear_fc1.weight22": 10}
+
+
+def test_uninitialised_parallel_state_is_one_ep_rank(ep):
+    """A single-process script (checkpoint conversion) with parallel_state not initialised: the EP
+    size reads 0 there, upstream's get_ep_layer_offset divides by it; the fix treats it as EP = 1."""
+    import torch.distributed as dist
+
+    ep(None, None)
+    assert not dist.is_initialized()
+    state = {f"{EXP}linear_fc1.weight1": 0, f"{EXP}linear_fc2.bias0": 1, "decoder.layers.0.mlp.router.weight": 2}
+    assert list(_mod().handle_experts_in_state_dict(state, 4).items()) == list(state.items())
+    assert _mod().expert_param_local_key(f"{EXP}linear_fc2.bias3", 4) == f"{EXP}linear_fc2.bias3"
+
+
+def test_num_experts_none_is_one_clear_error(ep):
+    ep(1, 0)
+    with pytest.raises(ValueError) as info:
+        _mod().handle_experts_in_state_dict({f"{EXP}linear_fc1.weight0": 0}, None)
+    assert str(info.value) == (
+        f"handle_experts_in_state_dict: num_experts=None but the state dict has expert keys (e.g. "
+        f"'{EXP}linear_fc1.weight0'); pass the model's total number of experts (config.num_moe_experts, an int > 0)"
+    )
+    # A dense model (no expert keys) is unaffected: get_global_unique_param_name passes None for it.
+    assert _mod().handle_experts_in_state_dict({"decoder.layers.0.mlp.linear_fc1.weight": 0}, None) == {
+        "decoder.layers.0.mlp.linear_fc1.weight": 0
+    }
+
+
+def test_single_grouped_tensor(ep):
+    single = {f"{EXP}linear_fc1.weight": 0, f"{EXP}linear_fc2.bias": 1}
+    ep(1, 0)  # EP = 1: the grouped tensor holds every expert, the key is already global
+    assert _mod().handle_experts_in_state_dict(single, 4) == single
+    assert _mod().get_expert_index_from_key(f"{EXP}linear_fc1.weight") is None
+    ep(2, 0)  # EP > 1: refused, one line, naming the key, the setting and what is accepted
+    with pytest.raises(ValueError) as info:
+        _mod().handle_experts_in_state_dict(single, 4)
+    msg = str(info.value)
+    assert "\n" not in msg and f"'{EXP}linear_fc1.weight'" in msg and "expert_model_parallel_size=2" in msg
+    assert "moe_single_grouped_weight=False" in msg and "expert_model_parallel_size=1" in msg
+
+
+def test_probe_and_status(mcore_version):
+    import mcore_ckpt_fixes
+    import megatron.core.transformer.fsdp_dtensor_checkpoint as m
+    from mcore_ckpt_fixes.fixes import expert_keys
+
+    mcore_ckpt_fixes.apply()
+    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
+    assert row["state"] == "applied", row
+    verdict, why = expert_keys.probe(m)  # judges the release's own functions even after apply
+    assert verdict is True and why.startswith("expert biases keep their local index under EP"), why
+    assert "num_experts=None drops every expert key" in why and "a single grouped expert tensor (no index) asserts" in why
+
+
+ALIASES = r"""
+import sys
+import megatron.core.transformer.fsdp_dtensor_checkpoint as m
+import megatron.core.optimizer.distrib_optimizer as d
+sites = {"distrib_optimizer": d}
+try:
+    import megatron.training.checkpointing as c
+    sites["training.checkpointing"] = c
+except ImportError:
+    assert sys.version_info < (3, 12)  # 0.16 wheels do not ship megatron.training
+upstream = m.handle_experts_in_state_dict
+# a user module that imported the names before the fix
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict as user_alias
+from megatron.core.transformer.fsdp_dtensor_checkpoint import expert_param_local_key as user_local
+
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.fixes import expert_keys as ek
+g = globals()
+for name, mod in sites.items():
+    assert mod.handle_experts_in_state_dict is ek.handle_experts_in_state_dict, name
+assert m.handle_experts_in_state_dict is ek.handle_experts_in_state_dict
+assert g["user_alias"] is ek.handle_experts_in_state_dict and g["user_local"] is ek.expert_param_local_key
+mcore_ckpt_fixes.revert()
+for name, mod in sites.items():
+    assert mod.handle_experts_in_state_dict is upstream, name
+assert g["user_alias"] is upstream
+mcore_ckpt_fixes.apply()
+assert d.handle_experts_in_state_dict is ek.handle_experts_in_state_dict
+print("OK", sorted(sites))
+"""
+
+LATE_ALIAS = r"""
+import mcore_ckpt_fixes
+import megatron.core.transformer.fsdp_dtensor_checkpoint as m
+from megatron.core import parallel_state as ps
+from mcore_ckpt_fixes.fixes import expert_keys as ek
+# imported after the fix: binds our function by name, which revert() does not know about
+import megatron.core.optimizer.distrib_optimizer as d
+assert d.handle_experts_in_state_dict is ek.handle_experts_in_state_dict
+ps.set_expert_model_parallel_world_size(2); ps.set_expert_model_parallel_rank(1)
+k = "decoder.layers.0.mlp.experts.linear_fc1.bias0"
+assert list(d.handle_experts_in_state_dict({k: 0}, 4)) == [k.replace("bias0", "bias2")]
+mcore_ckpt_fixes.revert()  # the stale copy now behaves as upstream's: biases keep their index
+assert list(d.handle_experts_in_state_dict({k: 0}, 4)) == [k]
+mcore_ckpt_fixes.apply()
+assert list(d.handle_experts_in_state_dict({k: 0}, 4)) == [k.replace("bias0", "bias2")]
+print("OK")
+"""
+
+
+def test_aliases_rebound_and_restored(mcore_version):
+    out = check_py(ALIASES)
+    sites = "['distrib_optimizer', 'training.checkpointing']" if mcore_version.release[:2] >= (0, 17) else "['distrib_optimizer']"
+    assert out.strip().endswith(f"OK {sites}"), out
+
+
+def test_alias_imported_after_the_fix_follows_revert():
+    assert check_py(LATE_ALIAS).strip().endswith("OK")
