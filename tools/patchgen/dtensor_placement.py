@@ -16,7 +16,7 @@ fix and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import difflib
+from _diff import write_diff
 import sys
 
 UTILS = "megatron/core/utils.py"
@@ -188,14 +188,7 @@ FILES = {UTILS: patch_utils, EXPERTS: patch_experts}
 
 def main(src_root: str, release: str) -> None:
     for rel_path, edit in FILES.items():
-        with open(f"{src_root}/{rel_path}", encoding="utf-8") as f:
-            before = f.read()
-        after = edit(before)
-        sys.stdout.writelines(
-            difflib.unified_diff(
-                before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{rel_path}", f"b/{rel_path}"
-            )
-        )
+        write_diff(src_root, rel_path, edit)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ checks that the patched source satisfies the fix's probe and round-trips with th
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import difflib
+from _diff import replace_between, write_diff
 import os
 import re
 import sys
@@ -45,21 +45,11 @@ def replacement_code() -> str:
 
 
 def patch_text(text: str) -> str:
-    if text.count(UPSTREAM_DEF) != 1 or text.count(UPSTREAM_NEXT) != 1:
-        raise SystemExit(f"patchgen: {TARGET}: anchors {UPSTREAM_DEF!r} / {UPSTREAM_NEXT!r} not found exactly once")
-    start, stop = text.index(UPSTREAM_DEF), text.index(UPSTREAM_NEXT)
-    return text[:start] + replacement_code() + text[stop:]
+    return replace_between(text, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code(), TARGET)
 
 
 def main(src_root: str, release: str) -> None:
-    with open(os.path.join(src_root, TARGET), encoding="utf-8") as f:
-        before = f.read()
-    after = patch_text(before)
-    sys.stdout.writelines(
-        difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{TARGET}", f"b/{TARGET}"
-        )
-    )
+    write_diff(src_root, TARGET, patch_text)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ that its scenario is exact with the monkeypatch off.
     python tools/patchgen/hsdp_ep_guard.py SRC_ROOT RELEASE > patches/hsdp-ep-guard/RELEASE.patch
 """
 
-import difflib
+from _diff import write_diff
 import os
 import sys
 
@@ -50,17 +50,14 @@ def guard_code() -> str:
     )
 
 
-def main(src_root: str, release: str) -> None:
-    with open(os.path.join(src_root, TARGET), encoding="utf-8") as f:
-        before = f.read()
-    if before.count(ANCHOR) != 1:
+def patch_text(text: str) -> str:
+    if text.count(ANCHOR) != 1:
         raise SystemExit(f"patchgen: {TARGET}: anchor not found exactly once: {ANCHOR!r}")
-    after = before.replace(ANCHOR, ANCHOR + guard_code())
-    sys.stdout.writelines(
-        difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{TARGET}", f"b/{TARGET}"
-        )
-    )
+    return text.replace(ANCHOR, ANCHOR + guard_code())
+
+
+def main(src_root: str, release: str) -> None:
+    write_diff(src_root, TARGET, patch_text)
 
 
 if __name__ == "__main__":

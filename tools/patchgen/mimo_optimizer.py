@@ -11,7 +11,7 @@ probe and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import difflib
+from _diff import write_diff
 import sys
 
 PATH = "megatron/core/models/mimo/optimizer.py"
@@ -101,12 +101,7 @@ def patch_text(text: str, release: str) -> str:
 
 
 def main(src_root: str, release: str) -> None:
-    with open(f"{src_root}/{PATH}", encoding="utf-8") as f:
-        before = f.read()
-    after = patch_text(before, release)
-    sys.stdout.writelines(
-        difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{PATH}", f"b/{PATH}")
-    )
+    write_diff(src_root, PATH, lambda text: patch_text(text, release))
 
 
 if __name__ == "__main__":

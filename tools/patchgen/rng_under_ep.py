@@ -16,7 +16,7 @@ round-trips with the monkeypatch off, and that this script regenerates the commi
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/training/...).
 """
 
-import difflib
+from _diff import write_diff
 import sys
 
 PATH = "megatron/training/checkpointing.py"
@@ -153,12 +153,7 @@ def main(src_root: str, release: str) -> None:
     series = ".".join(release.split(".")[:2])
     if series not in EDITS:
         raise SystemExit(f"patchgen: rng-under-ep has no edits for {release} (affected: 0.17, 0.18, 0.19)")
-    with open(f"{src_root}/{PATH}", encoding="utf-8") as f:
-        before = f.read()
-    after = patch_text(before, EDITS[series])
-    sys.stdout.writelines(
-        difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{PATH}", f"b/{PATH}")
-    )
+    write_diff(src_root, PATH, lambda text: patch_text(text, EDITS[series]))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ fix and round-trips with the monkeypatch off, so the two cannot drift apart sile
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import difflib
+from _diff import write_diff
 import sys
 
 FILES = {
@@ -79,14 +79,7 @@ def patch_text(text: str, edits) -> str:
 
 def main(src_root: str, release: str) -> None:
     for rel_path, edits in FILES.items():
-        with open(f"{src_root}/{rel_path}", encoding="utf-8") as f:
-            before = f.read()
-        after = patch_text(before, edits)
-        sys.stdout.writelines(
-            difflib.unified_diff(
-                before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{rel_path}", f"b/{rel_path}"
-            )
-        )
+        write_diff(src_root, rel_path, lambda text, edits=edits: patch_text(text, edits))
 
 
 if __name__ == "__main__":
