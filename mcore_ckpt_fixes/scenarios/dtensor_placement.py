@@ -35,6 +35,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import fix_states
+
 SAVE_SEED, FRESH_SEED = 1234, 98765
 HIDDEN, FFN, EXPERTS = 8, 12, 4
 FIX_ID = "dtensor-placement"
@@ -150,18 +152,10 @@ def _local_tensors(model):
 
 
 def _fix_state(patched):
-    import mcore_ckpt_fixes
-
     import megatron.core.transformer.moe.experts  # noqa: F401  (both targets decided)
     import megatron.core.utils  # noqa: F401
 
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
-    if patched:
-        assert row["state"] in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    # Per target module, as selftest reads it.
-    return {m: row["targets"].get(m, {}).get("state", row["state"]) for m in _TARGETS}
+    return fix_states(FIX_ID, _TARGETS, patched)
 
 
 def validate(sharded_sd):

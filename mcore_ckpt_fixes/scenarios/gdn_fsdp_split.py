@@ -35,6 +35,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import ON, fix_states
+
 SAVE_SEED, FRESH_SEED = 1234, 98765
 # Global GDN dims: qk = 2 heads x 4, v = 4 heads x 3, so components have distinct sizes.
 NUM_K_HEADS, K_HEAD_DIM, NUM_V_HEADS, V_HEAD_DIM = 2, 4, 4, 3
@@ -236,15 +238,7 @@ def _short(exc):
 
 
 def _fix_state(patched):
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
-    if patched:
-        assert row["state"] in ("applied", "not-needed", "not-applicable"), f"fix expected on: {row['state']}: {row['reason']}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    # {module: state}, as every scenario reports it (selftest checks each module's state)
-    return {_MODULE: row["targets"].get(_MODULE, {}).get("state", row["state"])}
+    return fix_states(FIX_ID, (_MODULE,), patched, accept=ON + ("not-applicable",))
 
 
 def _dcp_state(msd, osd):

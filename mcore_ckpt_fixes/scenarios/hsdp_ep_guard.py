@@ -31,6 +31,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import fix_states
+
 SAVE_SEED, FRESH_SEED = 1234, 98765
 NUM_EXPERTS, ROWS, COLS = 4, 6, 3
 CONFIGS = (("ep2", 2, 1), ("hsdp", 1, 2), ("hsdp_ep2", 2, 2))  # name, EP, optimizer instances
@@ -46,14 +48,7 @@ def prepare() -> None:
 
 
 def _fix_state(patched):
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
-    if patched:
-        assert row["state"] in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    return {_MODULE: row["targets"].get(_MODULE, {}).get("state", row["state"])}
+    return fix_states(FIX_ID, (_MODULE,), patched)
 
 
 def _values(seed, what, ep_rank):

@@ -45,6 +45,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import ON, fix_states
+
 MODULES = ("language", "vision")
 HIDDEN = 16
 SAVE_SEED, FRESH_SEED = 1234, 98765
@@ -324,14 +326,7 @@ def _metadata(sharding_type):
 
 
 def _fix_state(patched):
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == "mimo-optimizer")
-    if patched:
-        assert row["state"] in ("applied", "not-needed", "not-applicable"), (row["state"], row["reason"])
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    return {TARGET: row["targets"].get(TARGET, {}).get("state", row["state"])}
+    return fix_states("mimo-optimizer", (TARGET,), patched, accept=ON + ("not-applicable",))
 
 
 def _save(built, ckpt_dir, sharding_type):

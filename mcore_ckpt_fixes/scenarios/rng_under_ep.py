@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .common import fix_states
+
 EP = 2
 SEED, FRESH_SEED = 1234, 4321
 MODULE = "megatron.training.checkpointing"
@@ -265,16 +267,7 @@ def deltas(saved, loaded) -> dict:
 
 
 def _fix_state(patched):
-    """This fix's state here; asserts it matches ``patched`` so a misconfigured world cannot pass."""
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
-    state = row["targets"].get(MODULE, {}).get("state", row["state"])
-    if patched:
-        assert state in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    return {MODULE: state}
+    return fix_states(FIX_ID, (MODULE,), patched)
 
 
 def _saved_layout(args):

@@ -42,6 +42,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import fix_states
+
 TP = 2
 HIDDEN = 64
 SAVE_SEED, FRESH_SEED = 1234, 98765
@@ -196,15 +198,7 @@ def _tensors(model):
 def _fix_states(patched, modules):
     """The tp-group fix's state for the modules the model uses; asserts it matches ``patched`` so a
     misconfigured world cannot pass as "fixed" (0.19 round trips exactly with or without it)."""
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == "tp-group")
-    states = {m: row["targets"].get(m, {}).get("state", row["state"]) for m in modules}
-    if patched:
-        assert all(s in ("applied", "not-needed") for s in states.values()), f"fix expected on: {states}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    return states
+    return fix_states("tp-group", modules, patched)
 
 
 def _round_trip(build, ckpt_dir, pgs, patched, modules, device="cpu"):
