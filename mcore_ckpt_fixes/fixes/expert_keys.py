@@ -29,6 +29,20 @@ optional index and SwiGLU ``_w`` / ``_v`` suffix; SequentialMLP ``local_experts.
 made global (``i + ep_rank * num_local_experts``) or local again by rebuilding the key from its
 parts, not by ``str.replace`` (which also hit ``weight1`` inside ``weight10``). Keys already carrying
 this rank's global index are kept, as upstream does, so applying the renaming twice is harmless.
+
+Loading a checkpoint an unfixed release wrote under EP > 1 (never silently): its expert biases are
+stored under local indices (``...linear_fc1.bias0``, written by every EP rank, one copy kept), and
+with the fix EP ranks > 0 ask for global keys (``bias2``, ``bias3``) that are not there; Megatron's
+partial fsdp_dtensor load (the default; ``--strict-fsdp-dtensor-load`` fails on them instead) skips
+missing keys with an info-level log. ``print_diff_in_state_dicts``, which
+``megatron.training.checkpointing._load_base_checkpoint`` calls with the checkpoint's DCP metadata
+and the state dict about to be loaded just before a partial load, is wrapped: after upstream's log it
+looks at the metadata's keys (no tensor data) and, if expert biases carry fewer, lower indices than
+the expert weights, emits a ``MegatronPatchWarning`` naming the old layout and the keys this rank
+will not find (those tensors keep their current values). Ranks whose bias keys are present (EP rank
+0) load the one saved copy, the best state there is, and are told it may be another EP rank's. This
+warning is monkeypatch-only: patches/expert-keys/ replaces the three key functions and does not
+touch ``print_diff_in_state_dicts``, so a source-patched install loads such checkpoints without it.
 """
 
 from __future__ import annotations
@@ -201,6 +215,88 @@ for _name in NAMES:  # the docstrings Megatron's readers see
 del _name
 
 
+# -- load: a checkpoint written by an unfixed release (monkeypatch only; not in the source diff) ----
+
+# Any expert tensor key of a TE grouped MLP, model or optimizer state ('optimizer.state.<name>.exp_avg').
+_INDEXED_EXPERT_KEY = re.compile(
+    r"^(?P<head>(?:.*\.)?mlp\.experts\.linear_fc\d\.)(?P<kind>weight|bias)(?P<index>\d+)(?P<tail>(?:_[wv])?(?:\..*)?)$"
+)
+_NAMED_KEYS = 16  # keys spelled out in the warning; the rest are counted
+
+
+def _old_bias_groups(meta_keys):
+    """{(head, tail): (bias indices, weight indices)} where the checkpoint holds expert biases under
+    fewer, lower indices than the weights: the unfixed layout (weights global, biases local)."""
+    found = {}
+    for key in meta_keys:
+        m = _INDEXED_EXPERT_KEY.match(key)
+        if m is not None:
+            found.setdefault((m["head"], m["tail"]), ({}, {}))[m["kind"] == "weight"][int(m["index"])] = None
+    old = {}
+    for group, (biases, weights) in found.items():
+        only_weights = set(weights) - set(biases)
+        if biases and set(biases) < set(weights) and max(biases) < min(only_weights):
+            old[group] = (sorted(biases), sorted(weights))
+    return old
+
+
+def old_expert_bias_layout_warning(state_dict_metadata, load_state_dict):
+    """The warning text for loading ``load_state_dict`` from a checkpoint whose DCP metadata
+    (``Metadata.state_dict_metadata``: keys only, no tensor data) has the unfixed bias layout, else None."""
+    import sys
+
+    old = _old_bias_groups(state_dict_metadata)
+    if not old:
+        return None
+    module = sys.modules[MODULE]
+    load_keys = module.flatten_state_dict(load_state_dict)
+    missing = []
+    for key in load_keys:
+        m = _INDEXED_EXPERT_KEY.match(key)
+        if m is not None and m["kind"] == "bias" and (m["head"], m["tail"]) in old and key not in state_dict_metadata:
+            missing.append(key)
+    missing.sort()
+    (head, tail), (biases, weights) = sorted(old.items())[0]
+    ps = module.parallel_state
+    ep_size, ep_rank = max(ps.get_expert_model_parallel_world_size() or 1, 1), ps.get_expert_model_parallel_rank() or 0
+    text = (
+        f"expert-keys: this fsdp_dtensor checkpoint has the expert-bias layout of an unfixed Megatron-Core: "
+        f"expert biases are stored under local indices (e.g. {head}bias{{{biases[0]}..{biases[-1]}}}{tail}) "
+        f"while expert weights carry global indices ({head}weight{{{weights[0]}..{weights[-1]}}}{tail}); "
+        f"every EP rank wrote the same bias keys, so only one EP rank's copy of the expert biases was saved. "
+    )
+    where = f"EP rank {ep_rank} of {ep_size}"
+    if missing:
+        named = ", ".join(repr(k) for k in missing[:_NAMED_KEYS])
+        more = f" and {len(missing) - _NAMED_KEYS} more" if len(missing) > _NAMED_KEYS else ""
+        text += (
+            f"{where}: {len(missing)} expert bias keys are not in the checkpoint and keep their current "
+            f"values (not loaded): {named}{more}. "
+        )
+    else:
+        text += (
+            f"{where}: its expert bias keys are in the checkpoint and load that one saved copy (the best "
+            f"state there is; it may hold another EP rank's experts). "
+        )
+    return text + "Save again with the fix on to store every EP rank's expert biases."
+
+
+@mark(ID)
+def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwargs):
+    """Upstream's (logs, at info level, the keys a partial fsdp_dtensor load will skip), then a
+    ``MegatronPatchWarning`` if the checkpoint holds expert biases in the unfixed layout."""
+    result = original(MODULE, "print_diff_in_state_dicts")(state_dict_metadata, load_state_dict, *args, **kwargs)
+    if _active("print_diff_in_state_dicts", print_diff_in_state_dicts):
+        text = old_expert_bias_layout_warning(state_dict_metadata, load_state_dict)
+        if text is not None:
+            import warnings
+
+            from ..engine.errors import MegatronPatchWarning
+
+            warnings.warn(text, MegatronPatchWarning, stacklevel=2)
+    return result
+
+
 # -- probe: the release's own functions on inert stand-ins -------------------------------------------
 
 _PROBE_PREFIX = "decoder.layers.0.mlp.experts."
@@ -281,6 +377,8 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
         "get_expert_index_from_key": get_expert_index_from_key,
         "handle_experts_in_state_dict": handle_experts_in_state_dict,
         "expert_param_local_key": expert_param_local_key,
+        # the fsdp_dtensor load's look at the checkpoint metadata (see "Loading a checkpoint ...")
+        "print_diff_in_state_dicts": print_diff_in_state_dicts,
     }
     for name, new in replacements.items():
         if name in module.__dict__:

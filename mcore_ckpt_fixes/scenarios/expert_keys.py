@@ -33,6 +33,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .common import fix_states
+
 SAVE_SEED, FRESH_SEED = 1234, 98765
 EP, NUM_EXPERTS = 2, 4
 NUM_LOCAL = NUM_EXPERTS // EP
@@ -245,14 +247,7 @@ def _collect(state, chunk):
 
 
 def _fix_state(patched):
-    import mcore_ckpt_fixes
-
-    row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX_ID)
-    if patched:
-        assert row["state"] in ("applied", "not-needed"), f"fix expected on: {row['state']}: {row['reason']}"
-    else:
-        assert row["state"] == "disabled", f"fix expected off, is {row['state']}: {row['reason']}"
-    return {_MODULE: row["targets"].get(_MODULE, {}).get("state", row["state"])}
+    return fix_states(FIX_ID, (_MODULE,), patched)
 
 
 def _sources(layout, key, got):
@@ -331,3 +326,70 @@ def ep2_dp2(rank, world_size, ckpt_dir, patched, device="cpu"):
     """EP=2 x expert-DP=2 on 4 ranks: expert shards cut unevenly over the expert mesh, dense over 4."""
     assert world_size == 4, f"ep2_dp2 needs 4 ranks, got {world_size}"
     return round_trip(rank, world_size, ckpt_dir, patched, device)
+
+
+# -- old layout: saved by one process (fix on or off), loaded by another (fix on) -------------------
+# Not registered round trips: tests/fixes/test_expert_keys.py runs them as two worlds in a row.
+
+
+def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 on 2 ranks: save only (the fix on or off, as the process was started)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core import parallel_state as ps
+
+    assert world_size == 2 and device == "cpu", (world_size, device)
+    try:
+        layout = _Layout()
+        chunk, state, _ = _build(layout, SAVE_SEED)
+        fix_state = _fix_state(patched)
+        to_save, _ = _preprocess(chunk, state)
+        dcp.save(to_save, checkpoint_id=ckpt_dir)
+        dist.barrier()
+        return {"fix_state": fix_state, "saved_keys": sorted(to_save["model"]), "ep_rank": layout.ep_rank}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 on 2 ranks: load what ``save_ep2`` wrote the way ``_load_base_checkpoint`` loads an
+    fsdp_dtensor checkpoint by default: the checkpoint's DCP metadata, ``print_diff_in_state_dicts``
+    (through the name ``megatron.training.checkpointing`` binds, 0.17+; on 0.16 the megatron.core
+    one, which a Megatron-LM checkout of that release calls), then a partial DCP load."""
+    import sys
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron.core import parallel_state as ps
+
+    assert world_size == 2 and device == "cpu", (world_size, device)
+    try:
+        layout = _Layout()
+        fix_state = _fix_state(patched)
+        chunk, state, fresh = _build(layout, FRESH_SEED)
+        to_load, via = _preprocess(chunk, state)
+        metadata = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+        try:
+            from megatron.training import checkpointing as site
+        except ImportError:
+            site = sys.modules[_MODULE]
+        requested = sorted(sys.modules[_MODULE].flatten_state_dict(to_load))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            site.print_diff_in_state_dicts(metadata, to_load)
+            dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+        got = _collect(to_load, chunk)
+        return {
+            "fix_state": fix_state,
+            "ep_rank": layout.ep_rank,
+            "site": site.__name__,
+            "warnings": [str(w.message) for w in caught if w.category.__name__ == "MegatronPatchWarning"],
+            "not_in_checkpoint": [k for k in requested if k not in metadata],
+            # compare keys (local names) whose tensors still hold the fresh values: not loaded
+            "not_loaded": sorted(k for k, v in got.items() if v.numel() and torch.equal(v, fresh[k])),
+        }
+    finally:
+        ps.destroy_model_parallel()

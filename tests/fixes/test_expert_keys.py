@@ -245,3 +245,58 @@ def test_aliases_rebound_and_restored(mcore_version):
 
 def test_alias_imported_after_the_fix_follows_revert():
     assert check_py(LATE_ALIAS).strip().endswith("OK")
+
+
+# -- a fixed load of a checkpoint an unfixed release wrote: warned, never silent ---------------------
+
+OLD_LAYOUT = "this fsdp_dtensor checkpoint has the expert-bias layout of an unfixed Megatron-Core"
+
+
+def _save_then_load(tmp_path, save_patched):
+    timeout = SCENARIOS["ep2"].timeout
+    kw = {"ckpt_dir": str(tmp_path)}
+    saved = values(run_world(f"{SC}:save_ep2", 2, {**kw, "patched": save_patched},
+                             env={} if save_patched else {"MCORE_CKPT_FIXES": "off"}, timeout=timeout))
+    loaded = values(run_world(f"{SC}:load_ep2", 2, {**kw, "patched": True}, env={}, timeout=timeout))
+    return saved, loaded
+
+
+def test_fixed_load_of_unfixed_checkpoint_warns_and_names_missing_keys(tmp_path, mcore_version):
+    """Covers every release line: on 0.17+ through the name megatron.training.checkpointing binds
+    (what _load_base_checkpoint calls), on 0.16 (no megatron.training in the wheel) the megatron.core one."""
+    saved, loaded = _save_then_load(tmp_path, save_patched=False)
+    assert {s["fix_state"][MODULE] for s in saved} == {"disabled"}
+    # the unfixed layout: both EP ranks wrote bias0/bias1
+    assert all({k for k in s["saved_keys"] if ".bias" in k and ".experts." in k} == {f"{EXP}{b}" for b in BIASES}
+               for s in saved), saved
+    site = "megatron.training.checkpointing" if mcore_version.release[:2] >= (0, 17) else MODULE
+    for rank, r in enumerate(loaded):
+        assert r["fix_state"] == {MODULE: "applied"} and r["site"] == site, (rank, r)
+        assert len(r["warnings"]) == 1, (rank, r["warnings"])
+        msg = r["warnings"][0]
+        assert msg.startswith(f"expert-keys: {OLD_LAYOUT}"), msg
+        assert "expert biases are stored under local indices" in msg and "only one EP rank's copy" in msg, msg
+        assert f"EP rank {r['ep_rank']} of 2" in msg, msg
+        if r["ep_rank"] == 0:
+            assert r["not_in_checkpoint"] == [] and r["not_loaded"] == [], (rank, r)
+            assert "load that one saved copy" in msg, msg
+        else:
+            # EP rank 1 asks for its global biases 2 and 3 (model and Adam state): none is there.
+            want = sorted(
+                [f"model.{EXP}linear_fc{f}.bias{i}" for f in (1, 2) for i in (2, 3)]
+                + [f"optimizer.state.module.module.{EXP}linear_fc{f}.bias{i}.{s}"
+                   for f in (1, 2) for i in (2, 3) for s in ("exp_avg", "exp_avg_sq", "step")]
+            )
+            assert r["not_in_checkpoint"] == want, (rank, r["not_in_checkpoint"])
+            assert f"{len(want)} expert bias keys are not in the checkpoint" in msg, msg
+            for key in want:
+                assert repr(key) in msg, (key, msg)
+            # What the warning is about: those tensors kept their initial values.
+            assert r["not_loaded"] == BIAS_KEYS, (rank, r["not_loaded"])
+
+
+def test_fixed_load_of_fixed_checkpoint_does_not_warn(tmp_path):
+    saved, loaded = _save_then_load(tmp_path, save_patched=True)
+    assert {s["fix_state"][MODULE] for s in saved} == {"applied"}
+    for rank, r in enumerate(loaded):
+        assert r["warnings"] == [] and r["not_in_checkpoint"] == [] and r["not_loaded"] == [], (rank, r)

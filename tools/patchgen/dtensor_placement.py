@@ -16,8 +16,9 @@ fix and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-from _diff import write_diff
 import sys
+
+from _diff import write_diff
 
 UTILS = "megatron/core/utils.py"
 EXPERTS = "megatron/core/transformer/moe/experts.py"

@@ -11,10 +11,11 @@ satisfies the fix's probe and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import difflib
 import os
 import re
 import sys
+
+from _diff import replace_between, write_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIX_MODULE = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", "expert_keys.py")
@@ -42,21 +43,11 @@ def replacement_code() -> str:
 
 
 def patch_text(text: str) -> str:
-    if text.count(UPSTREAM_DEF) != 1 or text.count(UPSTREAM_NEXT) != 1:
-        raise SystemExit(f"patchgen: {TARGET}: anchors {UPSTREAM_DEF!r} / {UPSTREAM_NEXT!r} not found exactly once")
-    start, stop = text.index(UPSTREAM_DEF), text.index(UPSTREAM_NEXT)
-    return text[:start] + replacement_code() + text[stop:]
+    return replace_between(text, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code(), TARGET)
 
 
 def main(src_root: str, release: str) -> None:
-    with open(os.path.join(src_root, TARGET), encoding="utf-8") as f:
-        before = f.read()
-    after = patch_text(before)
-    sys.stdout.writelines(
-        difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{TARGET}", f"b/{TARGET}"
-        )
-    )
+    write_diff(src_root, TARGET, patch_text)
 
 
 if __name__ == "__main__":

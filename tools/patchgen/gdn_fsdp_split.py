@@ -11,10 +11,11 @@ checks that the patched source satisfies the fix's probe and round-trips with th
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-from _diff import replace_between, write_diff
 import os
 import re
 import sys
+
+from _diff import replace_between, write_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIX_MODULE = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", "gdn_fsdp_split.py")

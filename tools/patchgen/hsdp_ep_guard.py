@@ -11,9 +11,10 @@ that its scenario is exact with the monkeypatch off.
     python tools/patchgen/hsdp_ep_guard.py SRC_ROOT RELEASE > patches/hsdp-ep-guard/RELEASE.patch
 """
 
-from _diff import write_diff
 import os
 import sys
+
+from _diff import write_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)

@@ -11,8 +11,9 @@ probe and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-from _diff import write_diff
 import sys
+
+from _diff import write_diff
 
 PATH = "megatron/core/models/mimo/optimizer.py"
 

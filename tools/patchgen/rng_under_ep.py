@@ -16,8 +16,9 @@ round-trips with the monkeypatch off, and that this script regenerates the commi
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/training/...).
 """
 
-from _diff import write_diff
 import sys
+
+from _diff import write_diff
 
 PATH = "megatron/training/checkpointing.py"
 

@@ -8,8 +8,9 @@ fix and round-trips with the monkeypatch off, so the two cannot drift apart sile
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-from _diff import write_diff
 import sys
+
+from _diff import write_diff
 
 FILES = {
     "megatron/core/ssm/mamba_layer.py": [
