@@ -18,6 +18,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
 
+def pytest_sessionstart(session):
+    """Register the tp-group scenarios' ``mamba_ssm`` stand-in before any test imports Megatron.
+
+    Megatron binds ``mamba_ssm``'s gated RMSNorm when ``megatron.core.ssm.mamba_mixer`` is first
+    imported, and other tests import it on the way (on 0.18.2, ``megatron.training``, which the
+    rng-under-ep and expert-keys tests load in this process, imports it); whichever test runs first
+    must not fix that choice for the whole session. The stand-in (see mcore_ckpt_fixes/scenarios/tp_group.py) is test infrastructure for a
+    CUDA-only package that cannot be installed here; a real installation wins."""
+    from mcore_ckpt_fixes.scenarios.tp_group import install_mamba_ssm_stand_in
+
+    install_mamba_ssm_stand_in()
+
+
 def megatron_version():
     from mcore_ckpt_fixes.engine.version import detect
 
