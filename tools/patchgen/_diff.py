@@ -4,6 +4,8 @@ unified diff (``a/`` and ``b/`` prefixes, so ``patch -p1`` applies it in site-pa
 from __future__ import annotations
 
 import difflib
+import os
+import re
 import sys
 
 
@@ -26,3 +28,23 @@ def replace_between(text: str, start: str, stop: str, code: str, where: str) -> 
         raise SystemExit(f"patchgen: {where}: anchors {start!r} / {stop!r} not found exactly once")
     i, j = text.index(start), text.index(stop)
     return text[:i] + code + text[j:]
+
+
+FIXES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "mcore_ckpt_fixes", "fixes")
+BEGIN, END = "# -- replacement ---", "# -- end of replacement ---"
+
+
+def replacement_section(fix_file: str) -> str:
+    """The code between a fix module's "replacement" markers, without the marker comment block
+    (it speaks of the fix module): the part a diff carries verbatim, so the two cannot drift."""
+    with open(os.path.join(FIXES, fix_file), encoding="utf-8") as f:
+        text = f.read()
+    body = text[text.index(BEGIN) : text.index(END)]
+    return body[body.index("\n\n") + 2 :]
+
+
+def refuse_fix_names(code: str, names) -> None:
+    """A diff must not refer to names that exist only in the fix module."""
+    for name in names:
+        if re.search(rf"\b{name}\b", code):
+            raise SystemExit(f"patchgen: the replacement still refers to the fix module's {name!r}")

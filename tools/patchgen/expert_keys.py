@@ -11,29 +11,18 @@ satisfies the fix's probe and round-trips with the monkeypatch off.
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import os
-import re
 import sys
 
-from _diff import replace_between, write_diff
+from _diff import refuse_fix_names, replace_between, replacement_section, write_diff
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIX_MODULE = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", "expert_keys.py")
 TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
-BEGIN, END = "# -- replacement ---", "# -- end of replacement ---"
 UPSTREAM_DEF, UPSTREAM_NEXT = "def get_expert_index_from_key(", "def handle_swiglu_in_state_dict("
 
 
 def replacement_code() -> str:
-    with open(FIX_MODULE, encoding="utf-8") as f:
-        text = f.read()
-    start, stop = text.index(BEGIN), text.index(END)
-    body = text[start:stop]
-    body = body[body.index("\n\n") + 2 :]  # drop the marker comment block: it speaks of the fix module
+    body = replacement_section("expert_keys.py")
     code = body.replace("sys.modules[MODULE]", "sys.modules[__name__]")
-    for name in ("MODULE", "ID", "NAMES", "mark", "original"):
-        if re.search(rf"\b{name}\b", code):
-            raise SystemExit(f"patchgen: the replacement still refers to the fix module's {name!r}")
+    refuse_fix_names(code, ("MODULE", "ID", "NAMES", "mark", "original"))
     header = (
         "# Expert keys get global expert indices under expert parallelism, biases as well as weights,\n"
         "# so EP ranks never write the same fsdp_dtensor key; num_experts=None with expert keys is an\n"

@@ -11,31 +11,20 @@ checks that the patched source satisfies the fix's probe and round-trips with th
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
-import os
-import re
 import sys
 
-from _diff import replace_between, write_diff
+from _diff import refuse_fix_names, replace_between, replacement_section, write_diff
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIX_MODULE = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", "gdn_fsdp_split.py")
 TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
-BEGIN, END = "# -- replacement ---", "# -- end of replacement ---"
 UPSTREAM_DEF, UPSTREAM_NEXT = "def handle_gdn_in_state_dict(", "def handle_fp8_extra_state_case("
 
 
 def replacement_code() -> str:
-    with open(FIX_MODULE, encoding="utf-8") as f:
-        text = f.read()
-    start, stop = text.index(BEGIN), text.index(END)
-    body = text[start:stop]
-    body = body[body.index("\n\n") + 2 :]  # drop the marker comment block: it speaks of the fix module
+    body = replacement_section("gdn_fsdp_split.py")
     lines = [ln for ln in body.splitlines(keepends=True) if ln.strip() != "@mark(ID)"]
     code = "".join(lines).replace("sys.modules[MODULE]", "sys.modules[__name__]")
     code = code.replace("logging.getLogger(MODULE)", "logging.getLogger(__name__)")
-    for name in ("MODULE", "ID", "NAME", "mark"):
-        if re.search(rf"\b{name}\b", code):
-            raise SystemExit(f"patchgen: the replacement still refers to the fix module's {name!r}")
+    refuse_fix_names(code, ("MODULE", "ID", "NAME", "mark"))
     header = (
         "# GDN fused projections (in_proj q/k/v/z/b/a, conv1d q/k/v) are split without any collective:\n"
         "# every rank derives its pieces, their TP-global shapes and chunk offsets from metadata that is\n"
