@@ -26,23 +26,37 @@ write exactly what 0.19 writes (so a checkpoint saved by a patched 0.17/0.18 loa
 is ``(tp, pp, dp)``, the emptied ``optimizer`` sub-dict dropped, and every inner key prefixed
 with ``mimo.<module>.``. On load, the missing ``optimizer`` sub-dict is recreated.
 
-Not done: reading what an unpatched 0.17/0.18 wrote in the configurations it can save (one module
-with an optimizer, or non-distributed inner optimizers). Those keys carry no ``mimo.<module>.``
-prefix and the sharding type sits in ``common.pt``; the keys a load asks for are fixed in
-``sharded_state_dict`` before ``dist_checkpointing.load`` opens the checkpoint, so reading them
-needs a hook at the load call, not here. Such a load fails loudly (missing keys), never silently.
+Reading what unfixed releases wrote (0.17.x-0.19.x): in the configurations an unpatched 0.17/0.18
+can save (one module with an optimizer, e.g. a frozen encoder) its MIMO optimizer keys carry no
+``mimo.<module>.`` prefix and, on 0.17, the sharding type sits in the common state that only global
+rank 0 writes (so a module on another rank has none). The keys a load asks for are fixed in
+``sharded_state_dict`` before anything opens the checkpoint, so this half wraps
+``dist_checkpointing.load``: when the request holds ``mimo.<module>.`` keys, it reads the checkpoint's
+metadata (names only); for a module whose state is stored only under the unprefixed names it asks for
+those, fills a sharding type the checkpoint does not have with the one the load requested (its keys
+are that type's keys, or the load would fail on them), and emits one ``MegatronPatchWarning`` naming
+the old layout. Upstream 0.19 writes the new layout but reads only it: there this load side is all
+the fix contributes, and ``status`` says so. The probe runs the real ``dist_checkpointing.load`` on
+a throw-away two-file checkpoint written by ``torch.distributed.checkpoint`` (no process group) and
+a recording load strategy, so a source-patched Megatron is recognised as fixed.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
+import os
 import types
+import warnings
 
+from ..engine.errors import MegatronPatchWarning
 from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, mark
+from ..engine.patching import Patcher, mark, original
 
 ID = "mimo-optimizer"
 MODULE = "megatron.core.models.mimo.optimizer"
+LOAD_MODULE = "megatron.core.dist_checkpointing.serialization"
 
 # Where each plain value travels in the 0.18+/0.19 layout: sub-dict key -> ShardedObject name.
 _GROUPS, _TYPE, _SCALER = "_mimo_param_groups", "_mimo_param_state_sharding_type", "_mimo_grad_scaler"
@@ -174,6 +188,171 @@ def get_replica_id(pg_collection):
     return replica_id(pg_collection)
 
 
+# -- replacement ---------------------------------------------------------------------------------
+# (tools/patchgen/mimo_optimizer.py copies the code from here to the end marker into
+# megatron/core/dist_checkpointing/serialization.py for patches/mimo-optimizer/: keep it
+# self-contained, imports inside the functions.)
+
+
+def _mimo_sharded_leaves(tree, path=()):
+    """(path, item) for every ShardedBase leaf of a nested dict/list state dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(tree, dict):
+        children = tree.items()
+    elif isinstance(tree, list):
+        children = enumerate(tree)
+    else:
+        if isinstance(tree, ShardedBase):
+            yield path, tree
+        return
+    for key, child in children:
+        yield from _mimo_sharded_leaves(child, path + (key,))
+
+
+def _mimo_stored_name(item):
+    """The name torch_dist stores an item under (a ShardedObject carries its shard in the name)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return item.unique_key if isinstance(item, ShardedObject) else item.key
+
+
+def _mimo_checkpoint_names(checkpoint_dir):
+    """Every item name in a torch_dist checkpoint's metadata (the tensors are not read)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies.torch import _get_filesystem_reader
+
+        reader = _get_filesystem_reader(checkpoint_dir)
+    except ImportError:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(str(checkpoint_dir))
+    return set(reader.read_metadata().state_dict_metadata)
+
+
+def _mimo_set(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _mimo_copy_containers(tree):
+    if isinstance(tree, dict):
+        return {k: _mimo_copy_containers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_mimo_copy_containers(v) for v in tree]
+    return tree
+
+
+# The per-module objects MimoOptimizer adds (0.17: param groups and grad scaler; 0.18+: the
+# sharding type too): position in the module's sub-dict -> the plain value they stand for.
+_MIMO_PLAIN_FIELDS = {
+    "_mimo_param_groups": ("optimizer", "param_groups"),
+    "_mimo_param_state_sharding_type": ("param_state_sharding_type",),
+    "_mimo_grad_scaler": ("grad_scaler",),
+}
+
+
+def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
+    """(request, finish): what ``dist_checkpointing.load`` should ask for, and ``finish(loaded)``,
+    which completes the loaded state dict and returns the warning to give (or None).
+
+    A MIMO optimizer module whose keys (``mimo.<module>.<key>``) are absent from the checkpoint
+    while the unprefixed ``<key>`` names are there was saved by an unfixed Megatron-Core
+    0.17/0.18: ask for the unprefixed names. What that layout did not store for a module (0.17
+    keeps the sharding type in the common state, which only global rank 0 writes) is filled with
+    the value the load requested: the module's optimizer keys are that sharding type's keys, or
+    the load would already fail on them. The caller's dict is left as it was built.
+    """
+    import dataclasses
+    import re
+
+    modules = {}
+    for path, item in _mimo_sharded_leaves(sharded_state_dict):
+        match = re.match(r"mimo\.([^.]+)\.", item.key)
+        if match:
+            modules.setdefault(match.group(1), []).append((path, item))
+    if not modules:
+        return sharded_state_dict, lambda loaded: None
+    names = _mimo_checkpoint_names(checkpoint_dir)
+    old = {}
+    for module, items in modules.items():
+        prefix = f"mimo.{module}."
+        if any(name.startswith(prefix) for name in names):
+            continue  # the current layout: nothing to do for this module
+        renamed = [(path, dataclasses.replace(item, key=item.key[len(prefix):])) for path, item in items]
+        if any(_mimo_stored_name(item) in names for _, item in renamed):
+            old[module] = renamed
+    if not old:
+        return sharded_state_dict, lambda loaded: None  # unknown layout: let the load report it
+    request = _mimo_copy_containers(sharded_state_dict)
+    missing = []  # (path, module, value requested) for objects the old layout did not store
+    for module, renamed in old.items():
+        for path, item in renamed:
+            field = str(path[-1]).split(".")[0]
+            if field in _MIMO_PLAIN_FIELDS and _mimo_stored_name(item) not in names:
+                _mimo_set(request, path, None)
+                missing.append((path, module, item.data))
+            else:
+                _mimo_set(request, path, item)
+    for path, _, _ in missing:
+        parent = request
+        for key in path[:-1]:
+            parent = parent[key]
+        del parent[path[-1]]
+
+    def finish(loaded):
+        assumed = []
+        for path, module, value in missing:
+            parent = loaded
+            for key in path[:-1]:
+                parent = parent.setdefault(key, {}) if isinstance(parent, dict) else parent[key]
+            plain = _MIMO_PLAIN_FIELDS[str(path[-1]).split(".")[0]]
+            holder = parent
+            for key in plain[:-1]:
+                holder = holder.get(key, {}) if isinstance(holder, dict) else {}
+            if isinstance(holder, dict) and plain[-1] in holder:
+                continue  # the common state had it (the module on global rank 0)
+            parent[path[-1]] = value
+            assumed.append(f"{module}.{plain[-1]} = {value!r}")
+        text = (
+            f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
+            f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
+            f"read from those keys"
+        )
+        if assumed:
+            text += (
+                "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
+                "writes), so taken from this load's request, whose keys the checkpoint has: "
+                + ", ".join(assumed)
+            )
+        return text + "; the next save writes the current layout"
+
+    return request, finish
+
+
+# -- end of replacement ---------------------------------------------------------------------------
+
+
+@mark(ID)
+def load(*args, **kwargs):
+    """``dist_checkpointing.load`` that also reads the MIMO optimizer layout of unfixed releases."""
+    func = original(LOAD_MODULE, "load")
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except TypeError:
+        return func(*args, **kwargs)  # let the original raise its own error
+    request, finish = align_mimo_optimizer_request(
+        bound.arguments["sharded_state_dict"], bound.arguments["checkpoint_dir"]
+    )
+    bound.arguments["sharded_state_dict"] = request
+    result = func(*bound.args, **bound.kwargs)
+    text = finish(result[0] if isinstance(result, tuple) else result)
+    if text is not None:
+        warnings.warn(f"mcore_ckpt_fixes: {ID}: {text}", MegatronPatchWarning, stacklevel=2)
+    return result
+
+
 # -- probe: run the real methods on inert stand-ins and look at what they produce ---------------
 
 
@@ -207,11 +386,9 @@ class _InnerStandIn:
         self.loaded = state_dict
 
 
-def probe(module: types.ModuleType):
-    cls = getattr(module, "MimoOptimizer", None)
-    info_cls = getattr(module, "ModuleOptimizerInfo", None)
-    if cls is None or info_cls is None:
-        return None, f"{MODULE} has no MimoOptimizer"
+def _save_side_problems(module):
+    """The defects (a)-(d) the real MimoOptimizer methods show on stand-in inner optimizers."""
+    cls, info_cls = module.MimoOptimizer, module.ModuleOptimizerInfo
     ShardedBase, ShardedObject, _ = _megatron()
     inner = _InnerStandIn()
     pgs = types.SimpleNamespace(tp=_Group(1), pp=_Group(0), dp=_Group(0))
@@ -237,9 +414,65 @@ def probe(module: types.ModuleType):
         cls.load_state_dict(opt, {"language": None, "vision": loaded})
     except KeyError:
         problems.append("(a) load raises KeyError when the module's 'optimizer' dict was not saved")
+    return problems
+
+
+class _RecordingLoad:
+    """A load strategy that records the keys it is asked for and reads nothing."""
+
+    def __init__(self):
+        self.keys = []
+
+    def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        self.keys = [item.key for _, item in _mimo_sharded_leaves(sharded_state_dict)]
+        return {}
+
+
+def _load_reads_old_layout():
+    """Does the real ``dist_checkpointing.load`` ask for the unprefixed name when the checkpoint
+    only has that? A throw-away checkpoint (metadata, config and common state; written by torch
+    DCP without a process group) and a recording strategy stand in for the files and the reads."""
+    import json
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    serialization = importlib.import_module(LOAD_MODULE)
+    _, ShardedObject, _ = _megatron()
+    with tempfile.TemporaryDirectory(prefix="mcore-ckpt-fixes-probe-") as ckpt:
+        old = ShardedObject("optimizer.distributed.x", None, (1,), (0,))
+        dcp.save({old.unique_key: torch.zeros(1)}, storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True)
+        with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}, f)
+        torch.save({}, os.path.join(ckpt, "common.pt"))
+        request = {"vision": {"x": ShardedObject("mimo.vision." + old.key, None, (1,), (0,))}}
+        recorder = _RecordingLoad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fixed load warns about the old layout: expected
+            serialization.load(request, ckpt, sharded_strategy=recorder, validate_access_integrity=False)
+    return recorder.keys == [old.key]
+
+
+def probe(module: types.ModuleType):
+    if getattr(module, "MimoOptimizer", None) is None or getattr(module, "ModuleOptimizerInfo", None) is None:
+        return None, f"{MODULE} has no MimoOptimizer"
+    problems = _save_side_problems(module)
+    reads_old = _load_reads_old_layout()
+    load_gap = (
+        "dist_checkpointing.load cannot read the MIMO optimizer layout unfixed 0.17/0.18 wrote "
+        "(keys without 'mimo.<module>.', sharding type in the rank-0 common state)"
+    )
     if problems:
-        return True, "MimoOptimizer checkpointing with non-colocated modules: " + "; ".join(problems)
-    return False, "MimoOptimizer keeps each module's optimizer state, sharding type and keys apart"
+        tail = "" if reads_old else f"; {load_gap}"
+        return True, "MimoOptimizer checkpointing with non-colocated modules: " + "; ".join(problems) + tail
+    if not reads_old:
+        return True, (
+            f"load side only: MimoOptimizer already saves every module under its own keys; {load_gap}: "
+            f"the fix reads it, with a MegatronPatchWarning"
+        )
+    return False, "MimoOptimizer keeps each module's optimizer state, sharding type and keys apart, and old checkpoints load"
 
 
 def _leaves(x):
@@ -254,18 +487,27 @@ def _leaves(x):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(module.MimoOptimizer, "sharded_state_dict", sharded_state_dict)
-    patcher.replace(module.MimoOptimizer, "load_state_dict", load_state_dict)
-    if hasattr(module, "_get_replica_id"):
-        patcher.replace_function(module, "_get_replica_id", get_replica_id)
+    if _save_side_problems(module):  # 0.17/0.18; 0.19 saves the fixed layout itself
+        patcher.replace(module.MimoOptimizer, "sharded_state_dict", sharded_state_dict)
+        patcher.replace(module.MimoOptimizer, "load_state_dict", load_state_dict)
+        if hasattr(module, "_get_replica_id"):
+            patcher.replace_function(module, "_get_replica_id", get_replica_id)
+    if not _load_reads_old_layout():
+        # replace_function: the package's ``dist_checkpointing.load`` (what megatron.training and
+        # user code call) is the same function, bound by ``from .serialization import load``.
+        patcher.replace_function(importlib.import_module(LOAD_MODULE), "load", load)
 
 
 FIX = Fix(
     id=ID,
-    summary="MimoOptimizer checkpoints with non-colocated modules keep every module's state, sharding type and keys",
-    affected=">=0.17.0,<0.19.0",
+    summary=(
+        "MimoOptimizer checkpoints with non-colocated modules keep every module's state, sharding type "
+        "and keys, and the layout unfixed 0.17/0.18 wrote still loads"
+    ),
+    affected=">=0.17.0,<=0.19.2",
     upstream=(
         "fixed upstream in Megatron-Core 0.18.0 (a, b, c) and 0.19.0 (d): megatron/core/models/mimo/optimizer.py",
+        "reading the 0.17/0.18 layout: not upstream as of 0.19.2 (0.19 reads only its own layout)",
     ),
     targets=(Target(MODULE, probe, apply),),
 )

@@ -224,11 +224,15 @@ def _mimo_collision(idxs):
 # (selftest runs 2 ranks by default). The world-4 TP=2 variant (same function, 4 ranks,
 # MIMO_WORLD4_BUG) is run by tests/fixes/test_mimo_optimizer.py.
 _MIMO_REQUIRES = ("megatron.core.models.mimo.optimizer:MimoOptimizer",)
+# On 0.19 the fix is the load side only (reading what unfixed 0.17/0.18 wrote): this round trip is
+# exact there with the fix off (tests/fixes/test_mimo_matrix.py covers the old-layout loads).
+MIMO_SAVE_SIDE = ">=0.17.0,<0.19.0"
+MIMO_WORLD2_BUG = Bug.raises("save", _mimo_collision([0]))
 MIMO_WORLD4_BUG = Bug.raises("save", _mimo_collision([0, 1]))
 SCENARIOS += (
     Scenario(
         "mimo-optimizer", "world2", f"{_MIMO}:round_trip", 2,
-        Bug.raises("save", _mimo_collision([0])),
+        {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG},
         prepare=f"{_MIMO}:prepare", devices=("cpu",), requires=_MIMO_REQUIRES,
         doc="language on rank 0, vision on rank 1, DistributedOptimizer dp_reshardable",
     ),

@@ -337,6 +337,10 @@ def _save(built, ckpt_dir, sharding_type):
         sd = built.mimo.sharded_state_dict(built.model_sharded_state_dict(), metadata=_metadata(sharding_type))
         save_preprocess(sd, validate_access_integrity=True)
 
+    # Every rank builds its state dict first: one that fails there must not leave the others in
+    # the validation's collectives.
+    _step("sharded_state_dict", built.mimo.sharded_state_dict, built.model_sharded_state_dict(),
+          metadata=_metadata(sharding_type))
     _step("save", preflight)
     sd = _step("sharded_state_dict", built.mimo.sharded_state_dict, built.model_sharded_state_dict(),
                metadata=_metadata(sharding_type))
@@ -372,8 +376,11 @@ def _load(built, ckpt_dir, sharding_type):
     from mcore_ckpt_fixes.engine.errors import MegatronPatchWarning
 
     got = loaded.get(built.layout.module) or {}
+    # The monkeypatch warns with MegatronPatchWarning; a source-patched Megatron (patches/) with
+    # a plain UserWarning carrying the same text after the "mcore_ckpt_fixes: <fix>: " prefix.
     return got.get("param_state_sharding_type"), sorted(
-        {str(w.message) for w in caught if issubclass(w.category, MegatronPatchWarning)}
+        {str(w.message) for w in caught
+         if issubclass(w.category, MegatronPatchWarning) or "holds the MIMO optimizer state" in str(w.message)}
     )
 
 
@@ -437,29 +444,42 @@ def _scenario(body, patched, device):
     return result
 
 
+def _own_type(sharding_type, layout):
+    """The inner optimizer type of this rank's module: ``sharding_type`` is one type for every
+    module, or a ``{module: type}`` dict (modules may differ, e.g. a non-distributed optimizer for
+    one and a DistributedOptimizer for the other)."""
+    return sharding_type[layout.module] if isinstance(sharding_type, dict) else sharding_type
+
+
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """Save with one MimoOptimizer, load into a fresh one with other values, compare everything."""
 
     def body(layout, result):
-        saved = _build(layout, SAVE_SEED, sharding_type)
-        fresh = _build(layout, FRESH_SEED, sharding_type)
+        own = _own_type(sharding_type, layout)
+        saved = _build(layout, SAVE_SEED, own)
+        fresh = _build(layout, FRESH_SEED, own)
         assert _compare(_snapshot(saved.opt), _snapshot(fresh.opt))[1], "fresh param groups equal the saved ones"
-        _save(saved, ckpt_dir, sharding_type)
-        _load_and_check(layout, result, fresh, ckpt_dir, sharding_type)
+        _save(saved, ckpt_dir, own)
+        _load_and_check(layout, result, fresh, ckpt_dir, own)
 
     return _scenario(body, patched, device)
 
 
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """The save half of :func:`round_trip` (cross-release matrix: another environment loads)."""
-    return _scenario(lambda layout, result: _save(_build(layout, SAVE_SEED, sharding_type), ckpt_dir, sharding_type), patched, device)
+    def body(layout, result):
+        own = _own_type(sharding_type, layout)
+        _save(_build(layout, SAVE_SEED, own), ckpt_dir, own)
+
+    return _scenario(body, patched, device)
 
 
 def load_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """The load half of :func:`round_trip`, on a checkpoint another environment wrote."""
 
     def body(layout, result):
-        _load_and_check(layout, result, _build(layout, FRESH_SEED, sharding_type), ckpt_dir, sharding_type)
+        own = _own_type(sharding_type, layout)
+        _load_and_check(layout, result, _build(layout, FRESH_SEED, own), ckpt_dir, own)
 
     return _scenario(body, patched, device)
 

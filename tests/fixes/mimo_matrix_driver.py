@@ -1,7 +1,8 @@
 """Run a batch of mimo-optimizer save or load worlds in *this* environment; tests/fixes/test_mimo_matrix.py
 starts it once per release environment (``python mimo_matrix_driver.py JOBS.json OUT.json``).
 
-JOBS.json: ``[{"mode": "save" | "load", "ckpt_dir": str, "patched": bool}, ...]``. Each job is one
+JOBS.json: ``[{"mode": "save" | "load", "ckpt_dir": str, "patched": bool, "sharding_type": ...}, ...]``
+(``sharding_type``: one inner optimizer type or ``{module: type}``; default ``dp_reshardable``). Each job is one
 world of 2 forked ranks (language on rank 0, vision on rank 1) running
 ``mcore_ckpt_fixes.scenarios.mimo_optimizer:save_only`` / ``load_only``, the fix on or off in the
 ranks (``MCORE_CKPT_FIXES=off``). Megatron-Core is imported once here, so every world starts warm.
@@ -44,7 +45,8 @@ def main(jobs_path, out_path):
         os.makedirs(job["ckpt_dir"], exist_ok=True)
         results = run_world(
             f"mcore_ckpt_fixes.scenarios.mimo_optimizer:{func}", 2,
-            {"ckpt_dir": job["ckpt_dir"], "patched": job["patched"]},
+            {"ckpt_dir": job["ckpt_dir"], "patched": job["patched"],
+             "sharding_type": job.get("sharding_type", "dp_reshardable")},
             env={} if job["patched"] else {"MCORE_CKPT_FIXES": "off"}, timeout=job.get("timeout", 120),
         )
         ranks = []

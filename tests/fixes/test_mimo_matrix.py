@@ -1,15 +1,17 @@
 """mimo-optimizer across releases: the saved-by x loaded-by matrix, each checkpoint moved between envs.
 
-World 2, non-colocated (rank 0 language, rank 1 vision), inner DistributedOptimizer ``dp_reshardable``
-(the type that round-trips on CPU, see mcore_ckpt_fixes/scenarios/mimo_optimizer.py). Every saver
-and loader is a real environment (``PYTHONPATH=$ENVS/mcore-<rel>:<repo> $ENVS/py3.12/bin/python``)
-started as a subprocess running tests/fixes/mimo_matrix_driver.py: one subprocess per env does all
-its saves (fix off, fix on), then one per env does all its loads of every checkpoint that exists.
-Runs once per tools/test.sh matrix: in the pass of the newest release in tools/releases.txt. 0.16.1
-(py3.11, no megatron.core.models.mimo) is not in it.
+World 2, non-colocated (rank 0 language, rank 1 vision). Every saver and loader is a real
+environment (``PYTHONPATH=$ENVS/mcore-<rel>:<repo> $ENVS/py3.12/bin/python``) started as a subprocess
+running tests/fixes/mimo_matrix_driver.py: one subprocess per env does all its saves, then one per
+env does all its loads of every checkpoint that exists. Runs once per tools/test.sh matrix: in the
+pass of the newest release in tools/releases.txt. 0.16.1 (py3.11, no megatron.core.models.mimo) is
+not in it. "off" = MCORE_CKPT_FIXES=off; exact = every optimizer state tensor delta 0.0, every
+param-group field and the sharding type equal, on both ranks.
 
-Result (rows: saved by; columns: loaded by; "off" = MCORE_CKPT_FIXES=off; exact = every optimizer
-state tensor delta 0.0, every param-group field and the sharding type equal, on both ranks):
+Two configurations, because unpatched 0.17/0.18 can write a checkpoint in only one of them:
+
+``dist``: both modules' inner optimizers are DistributedOptimizers (``dp_reshardable``, the type
+that round-trips on CPU, see mcore_ckpt_fixes/scenarios/mimo_optimizer.py). All six savers:
 
     saved by \\ loaded by | 0.17.1 off | 0.17.1 on | 0.18.2 off | 0.18.2 on | 0.19.2 off | 0.19.2 on
     0.17.1 off           | save fails: COLLISION (the whole row: nothing is written)
@@ -19,6 +21,15 @@ state tensor delta 0.0, every param-group field and the sharding type equal, on 
     0.19.2 off           | NO_COMMON  | NO_COMMON | NO_COMMON  | NO_COMMON | exact      | exact
     0.19.2 on            | NO_COMMON  | NO_COMMON | NO_COMMON  | NO_COMMON | exact      | exact
 
+``mixed``: the language model (rank 0) has a non-distributed optimizer (its keys are its parameters'
+names), the vision encoder (rank 1) a DistributedOptimizer: nothing collides, so unpatched 0.17/0.18
+save, in their old layout (no ``mimo.<module>.`` prefix; 0.17 also leaves vision's sharding type in
+the common state that only rank 0 writes, i.e. nowhere). The rows only these savers can give:
+
+    saved by \\ loaded by | 0.17.1 off   | 0.17.1 on | 0.18.2 off  | 0.18.2 on | 0.19.2 off | 0.19.2 on
+    0.17.1 off           | NO_TYPE (b)  | exact+W   | NO_TYPE_KEY | exact+W   | NO_PREFIX  | exact+W
+    0.18.2 off           | NO_TYPE (b)  | exact+W   | exact       | exact+W   | NO_PREFIX  | exact+W
+
 COLLISION: ``CheckpointingException: Invalid sharding pattern validation. Errors: Duplicate
 ShardedObject keys: ['optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1'] ...`` (defect (d):
 unpatched 0.17/0.18 name both modules' DistributedOptimizer objects alike, at save and at load;
@@ -26,6 +37,14 @@ Megatron's validation raises it on rank 0, the scenario shares it with rank 1).
 NO_COMMON: ``CheckpointingException: Common file <ckpt>/common.pt does not exist``: 0.19's
 dist_checkpointing keeps the common state inside the torch_dist files (no common.pt), which 0.17/0.18
 cannot read, MIMO or not; not something a MIMO fix can change.
+exact+W: exact, and each rank gets one MegatronPatchWarning naming the old layout (and, for 0.17's
+checkpoint, the vision sharding type it took from the load's own request).
+NO_TYPE (b): unpatched 0.17 loses the vision module's ``param_state_sharding_type`` (defect (b),
+end to end): ``AssertionError: dict_keys(['param_state', 'optimizer'])`` in DistributedOptimizer's
+load on rank 1. NO_TYPE_KEY: unpatched 0.18 asks for the sharding-type object 0.17 never wrote
+(``Missing key in checkpoint state_dict: optimizer.mimo.vision.param_state_sharding_type/...``).
+NO_PREFIX: unpatched 0.19 asks only for ``mimo.<module>.`` keys (``KeyError: "mimo.language...
+from model not in state dict``): the load side this fix adds on 0.19.
 """
 
 import json
@@ -37,7 +56,7 @@ import pytest
 
 from conftest import ROOT, megatron_version
 
-from mcore_ckpt_fixes.scenarios import for_fix
+from mcore_ckpt_fixes.scenarios import MIMO_WORLD2_BUG
 
 RELEASES_TXT = os.path.join(ROOT, "tools", "releases.txt")
 DRIVER = os.path.join(ROOT, "tests", "fixes", "mimo_matrix_driver.py")
@@ -46,8 +65,16 @@ CELLS = [(rel, patched) for rel in MATRIX_RELEASES for patched in (False, True)]
 TARGET = "megatron.core.models.mimo.optimizer"
 
 # Exactly the world-2 fix-off error of tests/fixes/test_mimo_optimizer.py (registered scenario).
-COLLISION = for_fix("mimo-optimizer")[0].bug.error
+COLLISION = MIMO_WORLD2_BUG.error
 NO_COMMON = "CheckpointingException: Common file {ckpt}/common.pt does not exist"
+NO_TYPE = "AssertionError: dict_keys(['param_state', 'optimizer'])"
+NO_TYPE_KEY = "Missing key in checkpoint state_dict: optimizer.mimo.vision.param_state_sharding_type/shard_0_1."
+NO_PREFIX = 'KeyError: "mimo.language.optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
+
+# Inner optimizer type per configuration, and the savers whose rows each configuration gives.
+CONFIGS = {"dist": "dp_reshardable", "mixed": {"language": "non_distributed", "vision": "dp_reshardable"}}
+SAVERS = {"dist": CELLS, "mixed": [("0.17.1", False), ("0.18.2", False)]}
+SAVE_CASES = [(config, saver) for config in CONFIGS for saver in SAVERS[config]]
 
 
 def _releases():
@@ -102,6 +129,11 @@ def _saved_ok(ranks):
     return all(r["ok"] and r["error"] is None for r in ranks)
 
 
+def _case_label(case):
+    config, saver = case
+    return f"{config}-{_label(saver)}"
+
+
 @pytest.fixture(scope="session")
 def matrix(tmp_path_factory):
     if str(megatron_version()) != NEWEST:
@@ -109,27 +141,32 @@ def matrix(tmp_path_factory):
     for rel in MATRIX_RELEASES:  # fail before any work when an environment is missing
         _interpreter(rel)
     work = str(tmp_path_factory.mktemp("mimo-matrix"))
-    ckpt = {cell: os.path.join(work, "ckpt-" + _label(cell)) for cell in CELLS}
+    ckpt = {case: os.path.join(work, "ckpt-" + _case_label(case)) for case in SAVE_CASES}
     saves = {}
     for rel in MATRIX_RELEASES:
-        jobs = [{"mode": "save", "ckpt_dir": ckpt[(rel, p)], "patched": p} for p in (False, True)]
-        for job, out in zip(jobs, _run_driver(rel, jobs, work, f"save-{rel}")):
-            saves[(rel, job["patched"])] = out["ranks"]
+        cases = [case for case in SAVE_CASES if case[1][0] == rel]
+        jobs = [
+            {"mode": "save", "ckpt_dir": ckpt[case], "patched": case[1][1], "sharding_type": CONFIGS[case[0]]}
+            for case in cases
+        ]
+        for case, out in zip(cases, _run_driver(rel, jobs, work, f"save-{rel}")):
+            saves[case] = out["ranks"]
     loads = {}
-    written = [cell for cell in CELLS if _saved_ok(saves[cell])]
+    written = [case for case in SAVE_CASES if _saved_ok(saves[case])]
     for rel in MATRIX_RELEASES:
-        jobs = [{"mode": "load", "ckpt_dir": ckpt[s], "patched": p} for s in written for p in (False, True)]
-        outs = _run_driver(rel, jobs, work, f"load-{rel}")
-        for (saver, patched), out in zip([(s, p) for s in written for p in (False, True)], outs):
-            loads[(saver, (rel, patched))] = out["ranks"]
+        pairs = [(case, (rel, patched)) for case in written for patched in (False, True)]
+        jobs = [
+            {"mode": "load", "ckpt_dir": ckpt[case], "patched": loader[1], "sharding_type": CONFIGS[case[0]]}
+            for case, loader in pairs
+        ]
+        for pair, out in zip(pairs, _run_driver(rel, jobs, work, f"load-{rel}")):
+            loads[pair] = out["ranks"]
     return {"ckpt": ckpt, "saves": saves, "loads": loads}
 
 
 def _fix_state(cell):
     rel, patched = cell
-    if not patched:
-        return "disabled"
-    return "applied" if rel in ("0.17.1", "0.18.2") else "not-needed"
+    return "applied" if patched else "disabled"  # 0.19.2 too: the load side (see the fix's status)
 
 
 def _assert_raised(ranks, phase, error):
@@ -138,52 +175,105 @@ def _assert_raised(ranks, phase, error):
         assert (r["phase"], r["error"]) == (phase, error), (rank, r["phase"], r["error"], r.get("traceback"))
 
 
-def _assert_exact(ranks, loader):
+def _assert_raised_containing(ranks, phase, text, failing_ranks):
+    """Every rank reports the world's first error (it contains ``text``); ``failing_ranks`` raised it."""
+    for rank, r in enumerate(ranks):
+        assert r["ok"], (rank, r.get("crash"))
+        assert r["phase"] == phase and text in (r["error"] or ""), (rank, r["phase"], r["error"])
+    raised = [i for i, e in enumerate(ranks[0]["rank_errors"]) if e]
+    assert raised == failing_ranks, ranks[0]["rank_errors"]
+
+
+def _old_layout_warning(ckpt, module, assumed):
+    text = (
+        f"mcore_ckpt_fixes: mimo-optimizer: {ckpt} holds the MIMO optimizer state of module(s) {module} in "
+        f"the layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
+        f"read from those keys"
+    )
+    if assumed:
+        text += (
+            "; not stored there (0.17 keeps it in the common state, which only global rank 0 writes), so "
+            f"taken from this load's request, whose keys the checkpoint has: {assumed}"
+        )
+    return text + "; the next save writes the current layout"
+
+
+def _assert_exact(ranks, loader, config, warnings=(None, None)):
     assert [r.get("module") for r in ranks] == ["language", "vision"], ranks
+    types = CONFIGS[config]
     for rank, r in enumerate(ranks):
         assert r["ok"], (rank, r.get("crash"))
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
         assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
-        assert r["bad_groups"] == [] and r["sharding_type"] == "dp_reshardable", (rank, r["bad_groups"], r["sharding_type"])
-        assert r["warnings"] == [], (rank, r["warnings"])  # the current layout: nothing to warn about
+        own = types[r["module"]] if isinstance(types, dict) else types
+        expected_type = None if own == "non_distributed" else own
+        assert r["bad_groups"] == [] and r["sharding_type"] == expected_type, (rank, r["bad_groups"], r["sharding_type"])
+        assert r["warnings"] == ([] if warnings[rank] is None else [warnings[rank]]), (rank, r["warnings"])
         assert r["fix_state"] == {TARGET: _fix_state(loader)}, (rank, r["fix_state"])
 
 
-@pytest.mark.parametrize("saver", CELLS, ids=_label)
-def test_save(saver, matrix):
-    ranks = matrix["saves"][saver]
+@pytest.mark.parametrize("case", SAVE_CASES, ids=_case_label)
+def test_save(case, matrix):
+    config, saver = case
+    ranks = matrix["saves"][case]
     rel, patched = saver
-    if rel in ("0.17.1", "0.18.2") and not patched:
+    if config == "dist" and rel in ("0.17.1", "0.18.2") and not patched:
         # Defect (d): the two modules' DistributedOptimizer objects collide; nothing is written.
         _assert_raised(ranks, "save", COLLISION)
-        assert not os.path.exists(os.path.join(matrix["ckpt"][saver], "metadata.json"))
-    else:
-        for rank, r in enumerate(ranks):
-            assert r["ok"] and r["error"] is None, (rank, r.get("error") or r.get("crash"))
-            assert r["fix_state"] == {TARGET: _fix_state(saver)}, (rank, r["fix_state"])
-        files = set(os.listdir(matrix["ckpt"][saver]))
-        # 0.17/0.18 write the common state to common.pt; 0.19 inside the torch_dist files.
-        assert ("common.pt" in files) == (rel != "0.19.2"), files
+        assert not os.path.exists(os.path.join(matrix["ckpt"][case], "metadata.json"))
+        return
+    for rank, r in enumerate(ranks):
+        assert r["ok"] and r["error"] is None, (rank, r.get("error") or r.get("crash"))
+        assert r["fix_state"] == {TARGET: _fix_state(saver)}, (rank, r["fix_state"])
+    files = set(os.listdir(matrix["ckpt"][case]))
+    # 0.17/0.18 write the common state to common.pt; 0.19 inside the torch_dist files.
+    assert ("common.pt" in files) == (rel != "0.19.2"), files
 
 
 @pytest.mark.parametrize("loader", CELLS, ids=_label)
 @pytest.mark.parametrize("saver", CELLS, ids=_label)
-def test_load(saver, loader, matrix):
+def test_load_dist(saver, loader, matrix):
     s_rel, s_patched = saver
     l_rel, l_patched = loader
+    case = ("dist", saver)
     if s_rel in ("0.17.1", "0.18.2") and not s_patched:
         # The whole row: the save failed (test_save asserts its error), there is nothing to load.
-        _assert_raised(matrix["saves"][saver], "save", COLLISION)
-        assert (saver, loader) not in matrix["loads"]
+        _assert_raised(matrix["saves"][case], "save", COLLISION)
+        assert (case, loader) not in matrix["loads"]
         return
-    ranks = matrix["loads"][(saver, loader)]
+    ranks = matrix["loads"][(case, loader)]
     if s_rel == "0.19.2" and l_rel != "0.19.2":
         # 0.19 writes no common.pt (its common state lives in the torch_dist files); 0.17/0.18's
         # dist_checkpointing.load reads common.pt first. A container-format change, not MIMO's.
-        _assert_raised(ranks, "load", NO_COMMON.format(ckpt=matrix["ckpt"][saver]))
+        _assert_raised(ranks, "load", NO_COMMON.format(ckpt=matrix["ckpt"][case]))
     elif l_rel in ("0.17.1", "0.18.2") and not l_patched:
         # Unpatched 0.17/0.18 ask for the same colliding keys on load as on save (defect (d)).
         _assert_raised(ranks, "load", COLLISION)
         assert ranks[0]["rank_errors"] == [COLLISION, None], ranks[0]["rank_errors"]  # raised on rank 0
     else:
-        _assert_exact(ranks, loader)
+        _assert_exact(ranks, loader, "dist")  # the current layout: no warning
+
+
+@pytest.mark.parametrize("loader", CELLS, ids=_label)
+@pytest.mark.parametrize("saver", SAVERS["mixed"], ids=_label)
+def test_load_old_layout(saver, loader, matrix):
+    """Checkpoints unpatched 0.17/0.18 wrote: every patched loader reads them exactly, with the warning."""
+    s_rel, _ = saver
+    l_rel, l_patched = loader
+    case = ("mixed", saver)
+    ckpt = matrix["ckpt"][case]
+    ranks = matrix["loads"][(case, loader)]
+    if l_patched:
+        assumed = "vision.param_state_sharding_type = 'dp_reshardable'" if s_rel == "0.17.1" else None
+        warnings = (_old_layout_warning(ckpt, "language", None), _old_layout_warning(ckpt, "vision", assumed))
+        _assert_exact(ranks, loader, "mixed", warnings)
+    elif l_rel == "0.17.1":
+        # Defect (b) end to end: the vision rank's sharding type is not in what it loads.
+        _assert_raised_containing(ranks, "load_state_dict", NO_TYPE, [1])
+        assert ranks[0]["error"] == NO_TYPE
+    elif l_rel == "0.18.2" and s_rel == "0.17.1":
+        _assert_raised_containing(ranks, "load", NO_TYPE_KEY, [1])  # vision asks for it
+    elif l_rel == "0.18.2":
+        _assert_exact(ranks, loader, "mixed")  # its own layout
+    else:  # unpatched 0.19.2: only the prefixed keys are asked for
+        _assert_raised_containing(ranks, "load", NO_PREFIX, [0, 1])

@@ -13,10 +13,10 @@ from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import MIMO_WORLD4_BUG, for_fix, resolve
+from mcore_ckpt_fixes.scenarios import MIMO_SAVE_SIDE, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG, for_fix, resolve
 
 SCENARIO = for_fix("mimo-optimizer")[0]
-WORLDS = {"world2": (2, SCENARIO.bug), "world4_tp2": (4, MIMO_WORLD4_BUG)}
+WORLDS = {"world2": (2, MIMO_WORLD2_BUG), "world4_tp2": (4, MIMO_WORLD4_BUG)}
 
 
 def _has_mimo_optimizer():
@@ -36,7 +36,8 @@ def _need_mimo(version):
 def test_registry_declares_the_round_trip():
     assert [s.name for s in for_fix("mimo-optimizer")] == ["world2"]
     assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.scenarios.mimo_optimizer:round_trip"
-    for bug, idxs in ((SCENARIO.bug, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
+    assert SCENARIO.bug == {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG}  # 0.19: no fix-off failure in this round trip
+    for bug, idxs in ((MIMO_WORLD2_BUG, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
         assert bug.kind == "raises" and bug.phase == "save"
         assert bug.error.startswith("CheckpointingException: Invalid sharding pattern validation. Errors: ")
         for i in idxs:
@@ -74,10 +75,16 @@ def test_status_on_this_release(mcore_version):
         assert " not-applicable " in line and "No module named" in line, line
     elif mcore_version in FIX.specifiers:
         assert " applied " in line, line
-        # The probe names each defect it found: all four on 0.17, only the key collision on 0.18.
+        # The probe names each defect it found: all four on 0.17, only the key collision on 0.18,
+        # none on 0.19 (the load side only), and on every one that the load cannot read old keys.
         found = {d for d in "abcd" if f"({d}) " in line}
-        assert found == (set("abcd") if mcore_version.release[:2] == (0, 17) else {"d"}), line
-        assert "(d) inner keys are not prefixed by module" in line, line
+        series = mcore_version.release[:2]
+        assert found == {(0, 17): set("abcd"), (0, 18): {"d"}, (0, 19): set()}[series], line
+        if series < (0, 19):
+            assert "(d) inner keys are not prefixed by module" in line, line
+        else:
+            assert "load side only: MimoOptimizer already saves every module under its own keys" in line, line
+        assert "dist_checkpointing.load cannot read the MIMO optimizer layout unfixed 0.17/0.18 wrote" in line, line
     else:
         assert " not-needed " in line, line
 
@@ -87,7 +94,7 @@ def test_unpatched(world, tmp_path, mcore_version):
     _need_mimo(mcore_version)
     results = _run(world, False, tmp_path)
     bug = WORLDS[world][1]
-    if mcore_version in FIX.specifiers:
+    if SCENARIO.bug_for(mcore_version) is not None:  # 0.19: the save side is upstream's (load side: the matrix)
         for rank, r in enumerate(results):
             assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
         # Megatron raises on global rank 0 (its validation runs there); the others learn it.

@@ -4,8 +4,12 @@ The edits mirror mcore_ckpt_fixes/fixes/mimo_optimizer.py (the monkeypatch) in e
 layout becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for param groups,
 sharding type and grad scaler, replica id (tp, pp, dp), inner keys prefixed ``mimo.<module>.``), and
 the load tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18 already has all but the
-prefix. tests/patches/test_source_patches.py checks that the patched source satisfies the fix's
-probe and round-trips with the monkeypatch off.
+prefix. On every affected release (0.17, 0.18, 0.19) ``dist_checkpointing.load`` (serialization.py)
+also reads what unfixed 0.17/0.18 wrote: the fix module's marked replacement section is copied
+verbatim to the end of serialization.py and called before and after the load, as the monkeypatch's
+wrapper does (the warning is a plain UserWarning there: the package is not imported).
+tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
+round-trips with the monkeypatch off.
 
     python tools/patchgen/mimo_optimizer.py SRC_ROOT RELEASE > patches/mimo-optimizer/RELEASE.patch
 SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
@@ -13,9 +17,10 @@ SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 
 import sys
 
-from _diff import write_diff
+from _diff import refuse_fix_names, replacement_section, write_diff
 
 PATH = "megatron/core/models/mimo/optimizer.py"
+LOAD_PATH = "megatron/core/dist_checkpointing/serialization.py"
 
 # (releases the edit applies to, anchor, replacement)
 EDITS = [
@@ -91,18 +96,53 @@ EDITS = [
 
 def patch_text(text: str, release: str) -> str:
     series = ".".join(release.split(".")[:2])
-    for releases, old, new in EDITS:
-        if series not in releases:
-            continue
+    return _apply(text, [(old, new) for releases, old, new in EDITS if series in releases], release)
+
+
+def _apply(text, edits, where):
+    for old, new in edits:
         count = text.count(old)
         if count != 1:
-            raise SystemExit(f"patchgen: anchor found {count} times (need 1) in {release}: {old!r}")
+            raise SystemExit(f"patchgen: anchor found {count} times (need 1) in {where}: {old!r}")
         text = text.replace(old, new)
     return text
 
 
+def load_patch_text(text: str, release: str) -> str:
+    """serialization.py: ``load`` reads the MIMO optimizer layout unfixed 0.17/0.18 wrote."""
+    code = replacement_section("mimo_optimizer.py")
+    refuse_fix_names(code, ("MODULE", "LOAD_MODULE", "ID", "mark", "original", "MegatronPatchWarning"))
+    start = (  # in load() only: the other entry points do not verify integrity
+        "    if verify_integrity:\n        verify_integrity_manifest(checkpoint_dir)\n"
+        "    if sharded_strategy is None:\n        sharded_strategy = TorchDistLoadShardedStrategy()\n"
+    )
+    end = "    if StrictHandling.requires_returning_mismatch_keys(strict):\n"
+    text = _apply(text, [
+        ("import logging\n", "import logging\nimport warnings\n"),
+        (start, (
+            "    # MIMO optimizer state an unfixed Megatron-Core 0.17/0.18 wrote (keys without the\n"
+            "    # 'mimo.<module>.' prefix) is read from its old keys, with a warning.\n"
+            "    sharded_state_dict, finish_mimo_load = align_mimo_optimizer_request(\n"
+            "        sharded_state_dict, checkpoint_dir\n"
+            "    )\n" + start
+        )),
+        (end, (
+            "    mimo_warning = finish_mimo_load(common_state_dict)\n"
+            "    if mimo_warning is not None:\n"
+            "        warnings.warn(mimo_warning)\n" + end
+        )),
+    ], release)
+    header = (
+        "\n\n# Reading the MIMO optimizer layout of unfixed Megatron-Core 0.17/0.18 (see load()).\n"
+    )
+    return text.rstrip("\n") + "\n" + header + code.rstrip("\n") + "\n"
+
+
 def main(src_root: str, release: str) -> None:
-    write_diff(src_root, PATH, lambda text: patch_text(text, release))
+    series = ".".join(release.split(".")[:2])
+    if any(series in releases for releases, _, _ in EDITS):
+        write_diff(src_root, PATH, lambda text: patch_text(text, release))
+    write_diff(src_root, LOAD_PATH, lambda text: load_patch_text(text, release))
 
 
 if __name__ == "__main__":
