@@ -194,20 +194,19 @@ def get_replica_id(pg_collection):
 # self-contained, imports inside the functions.)
 
 
-def _mimo_sharded_leaves(tree, path=()):
+def _mimo_sharded_leaves(tree):
     """(path, item) for every ShardedBase leaf of a nested dict/list state dict."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    if isinstance(tree, dict):
-        children = tree.items()
-    elif isinstance(tree, list):
-        children = enumerate(tree)
-    else:
-        if isinstance(tree, ShardedBase):
-            yield path, tree
-        return
-    for key, child in children:
-        yield from _mimo_sharded_leaves(child, path + (key,))
+    stack = [((), tree)]  # iterative: every load walks its whole request once
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((path + (k,), v) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((path + (i,), v) for i, v in enumerate(node))
+        elif isinstance(node, ShardedBase):
+            yield path, node
 
 
 def _mimo_stored_name(item):
@@ -268,8 +267,9 @@ def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
     import re
 
     modules = {}
+    mimo_key = re.compile(r"mimo\.([^.]+)\.")
     for path, item in _mimo_sharded_leaves(sharded_state_dict):
-        match = re.match(r"mimo\.([^.]+)\.", item.key)
+        match = mimo_key.match(item.key) if item.key.startswith("mimo.") else None
         if match:
             modules.setdefault(match.group(1), []).append((path, item))
     if not modules:
