@@ -191,7 +191,7 @@ def _build(layout, seed, fmt):
     model = DistributedDataParallel(config, ddp_config, tower, pg_collection=layout.pgs)
     with torch.no_grad():
         for pname, p in model.module.named_parameters():
-            p.copy_(_values(seed, name, layout.tp_rank, "param", pname, shape=p.shape))
+            p.copy_(_values(seed, name, _tp_key(p, layout.tp_rank), "param", pname, shape=p.shape))
     opt_config = OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.01, use_distributed_optimizer=distributed,
         bf16=True, fp16=False, params_dtype=torch.bfloat16,
@@ -213,8 +213,20 @@ def _inner_torch_optimizers(opt):
     return [o.optimizer for o in chained] if chained else [opt.optimizer]
 
 
+def _tp_key(param, tp_rank, per_rank=False):
+    """The TP rank a value is drawn for. A TP-replicated parameter (Megatron's rule: no true
+    ``tensor_model_parallel`` attribute, e.g. a RowParallelLinear bias) is the same on every TP
+    rank, as in training, and a checkpoint keeps one copy of it. ``per_rank``: the values are saved
+    per rank whatever they are (a DistributedOptimizer's main-parameter shards, which carry no
+    such attribute): drawn per TP rank, so a rank that loads another's cannot pass."""
+    return tp_rank if per_rank or getattr(param, "tensor_model_parallel", False) else "replicated"
+
+
 def _fill_state(opt, seed, name, tp_rank):
     """One real AdamW step to allocate the state, then deterministic values everywhere."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    distributed = all(isinstance(o, DistributedOptimizer) for o in getattr(opt, "chained_optimizers", None) or [opt])
     for i, torch_opt in enumerate(_inner_torch_optimizers(opt)):
         for g in torch_opt.param_groups:
             for p in g["params"]:
@@ -232,7 +244,7 @@ def _fill_state(opt, seed, name, tp_rank):
                     if k == "step":
                         state[k] = torch.tensor(float(3 + seed % 17), dtype=t.dtype)
                     else:
-                        t.copy_(_values(seed, name, tp_rank, i, gi, pi, k, shape=t.shape))
+                        t.copy_(_values(seed, name, _tp_key(p, tp_rank, distributed), i, gi, pi, k, shape=t.shape))
 
 
 def _snapshot(opt):

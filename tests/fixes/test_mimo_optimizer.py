@@ -111,3 +111,38 @@ def test_patched_round_trip_is_exact(world, tmp_path, mcore_version):
     results = _run(world, True, tmp_path)
     _assert_exact(results, "applied" if mcore_version in FIX.specifiers else "not-needed")
     assert all(r["warnings"] == [] for r in results)  # a current-layout checkpoint: no warning
+
+
+# The language model with a non-distributed optimizer beside a DistributedOptimizer vision encoder:
+# no inner keys collide (defect (d) stays out of the way), so with TP=2 per module (world 4) what
+# unpatched 0.17 shows is defect (c): both TP ranks of a module claim to be the main replica of its
+# param groups. 0.18 fixed (c), so its own round trip is exact with the fix off.
+MIXED = {"language": "non_distributed", "vision": "dp_reshardable"}
+# Raised by Megatron's validation on global rank 0 (the scenario shares it with the other ranks).
+MIMO_TP_REPLICA_ERROR = (
+    "CheckpointingException: Invalid sharding pattern validation. Errors: Duplicate ShardedObject keys: "
+    "['optimizer.mimo.language.param_groups/shard_0_1']\nInvalid access pattern: -1 ShardedObject are missing."
+)
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_world4_tp2_mixed_optimizers(patched, tmp_path, mcore_version):
+    _need_mimo(mcore_version)
+    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+    results = values(run_world(
+        SCENARIO.func, 4, {"ckpt_dir": str(tmp_path), "patched": patched, "sharding_type": MIXED}, env=env, timeout=300
+    ))
+    if not patched and mcore_version.release[:2] == (0, 17):
+        for rank, r in enumerate(results):
+            assert (r["phase"], r["error"]) == ("save", MIMO_TP_REPLICA_ERROR), (rank, r["phase"], r["error"])
+        assert results[0]["rank_errors"] == [MIMO_TP_REPLICA_ERROR, None, None, None]
+        return
+    state = "disabled" if not patched else "applied"
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        expected_type = None if r["module"] == "language" else "dp_reshardable"
+        assert r["bad_groups"] == [] and r["sharding_type"] == expected_type, (rank, r)
+        assert r["fix_state"] == {"megatron.core.models.mimo.optimizer": state}, (rank, r["fix_state"])
+        assert r["warnings"] == []
+    assert [r["module"] for r in results] == ["language", "language", "vision", "vision"]
