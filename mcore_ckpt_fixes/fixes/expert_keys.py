@@ -17,11 +17,24 @@ Failures prevented, for ``fsdp_dtensor`` checkpoints under expert parallelism (E
   deletes it, so every expert tensor silently vanishes from the checkpoint. Now one clear
   ``ValueError`` naming the key and what is accepted.
 * An un-indexed single grouped tensor (``moe_single_grouped_weight`` / ``_bias``, 0.18+:
-  ``...linear_fc1.weight``) trips ``AssertionError: Failed to parse expert index from key``. It holds
-  all of this rank's experts in one tensor and carries no expert index: with EP = 1 it is already
-  global and is kept as is; with EP > 1 every EP rank would write the same key, so the fix refuses
-  with one clear ``ValueError`` instead of writing a checkpoint in which ranks load each other's
-  experts.
+  ``...linear_fc1.weight``, shape ``(num_local_experts, ...)``) trips ``AssertionError: Failed to
+  parse expert index from key`` (weights), or is written by every EP rank under the same key and
+  offsets (a grouped bias beside indexed weights: EP ranks silently load one rank's biases). It
+  carries no index to rename: its expert index is its position on dim 0. With EP = 1 it is already
+  global and kept as is. With EP > 1 the key is kept and the *tensor* is described as EP rank r's
+  slice of the global ``(num_experts, ...)`` tensor, rows ``r * num_local ...``:
+  ``handle_grouped_experts_in_state_dict`` runs after Megatron-FSDP's uneven-DTensor preprocessing
+  (it reads the chunk that step computed over the expert-data-parallel mesh and shifts it by the EP
+  block; no collective), for model and optimizer state alike. The value in the checkpointed dict is
+  a new DTensor over the same storage (a load lands in the parameter), with the global shape; the
+  nested dicts on its path are copies, so the dicts Megatron keeps (``raw_optimizer_state_dict``)
+  still hold the parameter-shaped DTensors. Hook: ``megatron.training.checkpointing``'s binding of
+  ``preprocess_state_dict_for_uneven_dtensor`` (its fsdp_dtensor save and load both call it);
+  other callers (Megatron-Bridge, a script) call
+  ``megatron.core.transformer.fsdp_dtensor_checkpoint.handle_grouped_experts_in_state_dict`` (with
+  the source diff) or ``mcore_ckpt_fixes.fixes.expert_keys.handle_grouped_experts_in_state_dict``
+  after their own preprocessing. SwiGLU halves of a grouped tensor (``weight_w``) under EP > 1 are
+  refused with one ``ValueError``.
 
 How: the three module-level functions are replaced (the engine rebinds them in every module that
 imported them by name). Keys are parsed once by two patterns (TE grouped ``weight|bias`` with an
@@ -58,6 +71,10 @@ MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
 NAMES = ("get_expert_index_from_key", "handle_experts_in_state_dict", "expert_param_local_key")
 # Modules known to bind these names with ``from ... import`` (the engine rebinds every loaded module).
 ALIAS_SITES = ("megatron.training.checkpointing", "megatron.core.optimizer.distrib_optimizer")
+# Its fsdp_dtensor save and load call Megatron-FSDP's uneven-DTensor preprocessing through this name;
+# only this binding is replaced (Megatron-FSDP's own fully_shard path has no expert parallelism).
+TRAINING = "megatron.training.checkpointing"
+UNEVEN = "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor"
 
 
 # -- replacement ---------------------------------------------------------------------------------
@@ -123,16 +140,17 @@ def handle_experts_in_state_dict(state_dict, num_experts=None):
     renamed = {}
     for key, (head, index, tail) in parsed.items():
         if index is None:
-            if ep_size > 1:
+            if ep_size > 1 and tail:
                 raise ValueError(
-                    f"handle_experts_in_state_dict: {key!r} is one grouped tensor of this rank's "
-                    f"{num_local} experts (moe_single_grouped_weight/moe_single_grouped_bias) and has "
-                    f"no expert index to make global under expert_model_parallel_size={ep_size}, so EP "
-                    f"ranks would write the same key; fsdp_dtensor checkpoints accept per-expert tensors "
-                    f"(moe_single_grouped_weight=False, moe_single_grouped_bias=False) or "
-                    f"expert_model_parallel_size=1"
+                    f"handle_experts_in_state_dict: {key!r} is a SwiGLU half of one grouped tensor of "
+                    f"this rank's {num_local} experts, which fsdp_dtensor checkpoints cannot place among "
+                    f"the experts of other EP ranks (expert_model_parallel_size={ep_size}); accepted: "
+                    f"per-expert tensors (moe_single_grouped_weight=False, moe_single_grouped_bias=False), "
+                    f"swiglu=False, or expert_model_parallel_size=1"
                 )
-            continue  # EP = 1: the grouped tensor already holds every expert
+            # The key stays: EP = 1 holds every expert; under EP > 1 the tensor itself is described
+            # as its EP block of the global tensor (handle_grouped_experts_in_state_dict).
+            continue
         if offset <= index < offset + num_local:
             continue  # already this rank's global index (rank 0: local == global)
         if not 0 <= index < num_local:
@@ -169,20 +187,121 @@ def expert_param_local_key(key, num_experts=None):
     return f"{head}{index - offset}{tail}"
 
 
+def _is_single_grouped_expert_key(key):
+    """A TE grouped-experts key without expert index (and without SwiGLU half): one tensor of all
+    of this rank's experts, dim 0 the local expert (``moe_single_grouped_weight`` / ``_bias``)."""
+    parsed = _parse_expert_key(key) if isinstance(key, str) else None
+    return parsed is not None and parsed[1] is None and not parsed[2]
+
+
+def _write_one_chunk(chunk, fqn, tensor):
+    """DCP write items of a DTensor whose local data is exactly ``chunk`` of the global tensor."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    local = tensor.to_local()
+    if local.numel() == 0:
+        return []  # an empty FSDP shard: nothing of this tensor lives on this rank
+    data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=tensor.size())
+    return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)]
+
+
+def _ep_global_grouped_dtensor(key, dtensor, ep_size, ep_rank):
+    """``dtensor`` (this EP rank's grouped experts, already given its chunk over the expert-data-
+    parallel mesh) described as rows ``ep_rank * n ... (ep_rank + 1) * n`` of the global tensor of
+    all ``ep_size * n`` experts. Same storage: a DCP load writes into the parameter."""
+    import functools
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.tensor import DTensor
+
+    if getattr(dtensor, "_ep_global_grouped_experts", False):
+        return dtensor  # preprocessed twice: already global
+    local = dtensor._local_tensor
+    chunks = local.__create_chunk_list__() if hasattr(local, "__create_chunk_list__") else None
+    if not chunks or len(chunks) != 1:
+        raise ValueError(
+            f"handle_grouped_experts_in_state_dict: {key!r} has no uneven-DTensor chunk metadata; "
+            f"accepted: a state dict after preprocess_state_dict_for_uneven_dtensor (Megatron-FSDP)"
+        )
+    (chunk,) = chunks
+    rows = dtensor.shape[0]
+    shape = torch.Size((rows * ep_size, *dtensor.shape[1:]))
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    offsets = torch.Size((chunk.offsets[0] + ep_rank * rows, *chunk.offsets[1:]))
+    chunk = ChunkStorageMetadata(offsets=offsets, sizes=chunk.sizes)
+    out = DTensor.from_local(
+        local.detach(), dtensor.device_mesh, dtensor.placements, run_check=False, shape=shape, stride=tuple(stride)
+    )
+    out._local_tensor.__create_chunk_list__ = functools.partial(list, (chunk,))
+    out._local_tensor.__create_write_items__ = functools.partial(_write_one_chunk, chunk)
+    out._ep_global_grouped_experts = True
+    return out
+
+
+def handle_grouped_experts_in_state_dict(state_dict):
+    """Under EP > 1, describe every single grouped expert tensor (model and optimizer state) as
+    this EP rank's block of the global tensor of all experts, so EP ranks write disjoint chunks
+    of one key and each loads its own. Run after Megatron-FSDP's uneven-DTensor preprocessing.
+
+    Updates ``state_dict`` in place at the top level; dicts below it on the path to a changed
+    tensor are copied, never modified. Returns ``state_dict``.
+    """
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
+    ps = sys.modules[MODULE].parallel_state
+    ep_size = max(ps.get_expert_model_parallel_world_size(), 1)
+    if ep_size == 1:
+        return state_dict
+    ep_rank = ps.get_expert_model_parallel_rank()
+
+    def visit(mapping, grouped):
+        changed = None
+        for key, value in mapping.items():
+            under = grouped or _is_single_grouped_expert_key(key)
+            if isinstance(value, dict):
+                new = visit(value, under)
+            elif under and isinstance(value, DTensor):
+                new = _ep_global_grouped_dtensor(key, value, ep_size, ep_rank)
+            else:
+                continue
+            if new is not value:
+                changed = mapping.copy() if changed is None else changed
+                changed[key] = new
+        return mapping if changed is None else changed
+
+    state_dict.update(visit(state_dict, False))
+    return state_dict
+
+
+def preprocess_state_dict_for_uneven_dtensor(state_dict):
+    """Megatron-FSDP's uneven-DTensor preprocessing, then single grouped expert tensors made
+    EP-global (:func:`handle_grouped_experts_in_state_dict`)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+
+    uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state_dict)
+    return handle_grouped_experts_in_state_dict(state_dict)
+
+
 # -- end of replacement ---------------------------------------------------------------------------
 
 # The implementations above, as patches/expert-keys/ puts them into the upstream file.
-_FIXED = {name: globals()[name] for name in NAMES}
+_FIXED = {name: globals()[name] for name in (*NAMES, "preprocess_state_dict_for_uneven_dtensor")}
 
 
-def _active(name, replacement):
-    """Is ``replacement`` still what the upstream module binds? A module that imported the name
+def _active(name, replacement, module_name=MODULE):
+    """Is ``replacement`` still what the patched module binds? A module that imported the name
     after the fix was applied (``from ... import handle_experts_in_state_dict`` in
     ``distrib_optimizer`` or ``training.checkpointing``) holds our function and is not among the
     bindings ``revert()`` restores: once reverted, such a copy must behave as upstream's again."""
     import sys
 
-    module = sys.modules.get(MODULE)
+    module = sys.modules.get(module_name)
     return module is not None and module.__dict__.get(name) is replacement
 
 
@@ -210,7 +329,14 @@ def expert_param_local_key(key, num_experts=None):
     return _FIXED["expert_param_local_key"](key, num_experts)
 
 
-for _name in NAMES:  # the docstrings Megatron's readers see
+@mark(ID)
+def preprocess_state_dict_for_uneven_dtensor(state_dict):
+    if not _active("preprocess_state_dict_for_uneven_dtensor", preprocess_state_dict_for_uneven_dtensor, TRAINING):
+        return original(TRAINING, "preprocess_state_dict_for_uneven_dtensor")(state_dict)
+    return _FIXED["preprocess_state_dict_for_uneven_dtensor"](state_dict)
+
+
+for _name in _FIXED:  # the docstrings Megatron's readers see
     globals()[_name].__doc__ = _FIXED[_name].__doc__
 del _name
 
@@ -361,6 +487,13 @@ def probe(module: types.ModuleType):
             problems.append("a single grouped expert tensor is renamed")
     except AssertionError:
         problems.append("a single grouped expert tensor (no index) asserts")
+    if not problems:
+        # ... and under EP its key stays (the optimizer names its parameters through this function).
+        try:
+            if set(handle(2, 1, single, 4)) != set(single):
+                problems.append("a single grouped expert tensor is renamed under EP")
+        except (AssertionError, ValueError):
+            problems.append("a single grouped expert tensor under EP is refused")
 
     if fns["expert_param_local_key"] is not None and not problems:
         key = f"module.{_PROBE_PREFIX}linear_fc1.bias3"
@@ -387,6 +520,70 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
             patcher.replace_function(module, name, new)
 
 
+# -- probe and apply for megatron.training.checkpointing: single grouped experts under EP -------------
+
+
+def _probe_dtensor(rows):
+    """A one-rank DTensor (rows, 2) needing no process group: the probe may run before
+    ``init_process_group`` (at import) or on any rank after it."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", [0], _init_backend=False, _rank=0)
+    return DTensor.from_local(torch.zeros(rows, 2), mesh, [Shard(0)], run_check=False)
+
+
+def probe_training(module: types.ModuleType):
+    """Does the uneven-DTensor preprocessing ``megatron.training.checkpointing`` calls give a single
+    grouped expert tensor of EP rank 1 of 2 the global shape of all experts? Run with an EP stand-in
+    in ``fsdp_dtensor_checkpoint``'s namespace and Megatron-FSDP's chunk computation (a collective)
+    replaced by the local chunk, both for the duration of the call only."""
+    import importlib
+
+    name = "preprocess_state_dict_for_uneven_dtensor"
+    fn = module.__dict__.get(name)
+    if fn is None:
+        return None, f"{TRAINING} does not bind {name} (Megatron-FSDP absent)"
+    if is_replacement(fn):
+        fn = original(module, name)  # re-probed after apply (reload): judge the release's binding
+    ckpt = importlib.import_module(MODULE)
+    uneven = importlib.import_module(UNEVEN)
+    try:
+        grouped = _probe_dtensor(2)
+    except TypeError:  # a torch whose DeviceMesh cannot be built without a process group
+        buggy = fn is uneven.__dict__.get(name)
+        return buggy, f"{name} is Megatron-FSDP's own (not probed: DeviceMesh needs a process group here)"
+
+    def local_chunk(dtensor):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        chunk = ChunkStorageMetadata(offsets=(0,) * dtensor.dim(), sizes=dtensor.to_local().shape)
+        dtensor._local_tensor.__create_chunk_list__ = lambda: [chunk]
+
+    key = f"{_PROBE_PREFIX}linear_fc1.weight"
+    saved = (ckpt.__dict__["parallel_state"], uneven.__dict__["update_uneven_dtensor_chunk_metadata"])
+    ckpt.parallel_state = _probe_parallel_state(saved[0], 2, 1)
+    uneven.update_uneven_dtensor_chunk_metadata = local_chunk
+    try:
+        state = {"model": {key: grouped}}
+        fn(state)
+    finally:
+        ckpt.parallel_state, uneven.update_uneven_dtensor_chunk_metadata = saved
+    got = tuple(state["model"][key].shape)
+    if got == (4, 2):
+        return False, "a single grouped expert tensor is saved as its EP block of the global tensor"
+    return True, (
+        f"a single grouped expert tensor keeps its EP-local shape {got} under EP (every EP rank writes "
+        f"the same key and offsets)"
+    )
+
+
+def apply_training(module: types.ModuleType, patcher: Patcher) -> None:
+    # This module's binding only (not rebound elsewhere): see TRAINING.
+    patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", preprocess_state_dict_for_uneven_dtensor)
+
+
 FIX = Fix(
     id=ID,
     summary="fsdp_dtensor expert biases get global indices under EP; num_experts=None and grouped tensors handled",
@@ -395,5 +592,5 @@ FIX = Fix(
         "not fixed upstream as of Megatron-Core 0.19.2: megatron/core/transformer/fsdp_dtensor_checkpoint.py "
         "handle_experts_in_state_dict renames expert weights only",
     ),
-    targets=(Target(MODULE, probe, apply, alias_sites=ALIAS_SITES),),
+    targets=(Target(MODULE, probe, apply, alias_sites=ALIAS_SITES), Target(TRAINING, probe_training, apply_training)),
 )

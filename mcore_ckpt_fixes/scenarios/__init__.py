@@ -101,7 +101,7 @@ class Scenario:
         self.requires = tuple(requires)
 
     def absent(self):
-        """The first of ``requires`` (``"module:attribute"``: the Megatron feature the scenario
+        """The first of ``requires`` (``"module:attribute"`` or ``"module:Class.attribute"``: the Megatron feature the scenario
         exercises) that this installation lacks, as a sentence; None when all are there."""
         for ref in self.requires:
             module_name, _, attr = ref.partition(":")
@@ -109,8 +109,11 @@ class Scenario:
                 module = importlib.import_module(module_name)
             except ImportError:
                 return f"{module_name} is not importable"
-            if attr and not hasattr(module, attr):
-                return f"{module_name} has no {attr}"
+            owner = module
+            for part in attr.split(".") if attr else ():
+                if not hasattr(owner, part):
+                    return f"{module_name} has no {attr}"
+                owner = getattr(owner, part)
         return None
 
     def bug_for(self, version):
@@ -280,6 +283,30 @@ SCENARIOS += (
         "expert-keys", "ep2_dp2", f"{_EK}:ep2_dp2", 4, Bug.wrong_values(),
         prepare=f"{_EK}:prepare", devices=("cpu",), timeout=240, requires=_EK_REQUIRES,
         doc="the same with EP=2 x expert-DP=2 on 4 ranks (uneven FSDP shards, one empty)",
+    ),
+)
+# Single grouped expert tensors (one tensor of all local experts per GEMM) exist from 0.18.
+_EK_GROUPED_REQUIRES = _EK_REQUIRES + ("megatron.core.transformer.transformer_config:TransformerConfig.moe_single_grouped_bias",)
+# Unpatched, a grouped weight stops the optimizer's parameter naming (handle_experts_in_state_dict);
+# a grouped bias beside indexed weights is written by both EP ranks under one key: wrong values.
+_EK_GROUPED_BUG = Bug.raises(
+    "setup", "AssertionError: Failed to parse expert index from key: module.module.decoder.layers.0.mlp.experts.linear_fc1.weight"
+)
+SCENARIOS += (
+    Scenario(
+        "expert-keys", "ep2_grouped", f"{_EK}:ep2_grouped", 2, _EK_GROUPED_BUG,
+        prepare=f"{_EK}:prepare", devices=("cpu",), timeout=180, requires=_EK_GROUPED_REQUIRES,
+        doc="EP=2, single grouped expert weights and biases (moe_single_grouped_weight/_bias) + Adam state, DCP",
+    ),
+    Scenario(
+        "expert-keys", "ep2_grouped_bias", f"{_EK}:ep2_grouped_bias", 2, Bug.wrong_values(),
+        prepare=f"{_EK}:prepare", devices=("cpu",), timeout=180, requires=_EK_GROUPED_REQUIRES,
+        doc="EP=2, indexed expert weights beside single grouped biases (moe_single_grouped_bias) + Adam state, DCP",
+    ),
+    Scenario(
+        "expert-keys", "ep2_dp2_grouped", f"{_EK}:ep2_dp2_grouped", 4, _EK_GROUPED_BUG,
+        prepare=f"{_EK}:prepare", devices=("cpu",), timeout=240, requires=_EK_GROUPED_REQUIRES,
+        doc="single grouped expert tensors with EP=2 x expert-DP=2 on 4 ranks (uneven FSDP shards, one empty)",
     ),
 )
 

@@ -57,23 +57,37 @@ def prepare() -> None:
         pass
 
 
-def _shapes():
-    """{local parameter name: (shape, global expert index or None)} for this layer (TE grouped experts)."""
+# Expert layouts of the TE grouped MLP: "indexed" (one tensor per local expert: weight{i}, bias{i});
+# "grouped" (moe_single_grouped_weight + moe_single_grouped_bias, 0.18+: one tensor per GEMM, dim 0
+# the local expert); "grouped_bias" (indexed weights, one grouped bias: moe_single_grouped_bias
+# alone, the one a CPU-free config can reach, since single grouped weights need fp8/mxfp8).
+GROUPED = "all"  # marks a grouped tensor in _shapes: dim 0 holds every local expert
+_EXPERT_SHAPES = {"linear_fc1.weight": (FFN, HIDDEN), "linear_fc1.bias": (FFN,),
+                  "linear_fc2.weight": (HIDDEN, FFN), "linear_fc2.bias": (HIDDEN,)}
+
+
+def _shapes(variant="indexed"):
+    """{local parameter name: (shape, local expert index, GROUPED, or None)} for this layer."""
     out = {
         f"{LAYER}.self_attention.linear_proj.weight": ((HIDDEN, HIDDEN), None),
         f"{LAYER}.self_attention.linear_proj.bias": ((HIDDEN,), None),
         f"{LAYER}.mlp.router.weight": ((NUM_EXPERTS, HIDDEN), None),
     }
-    for i in range(NUM_LOCAL):
-        out[f"{LAYER}.mlp.experts.linear_fc1.weight{i}"] = ((FFN, HIDDEN), i)
-        out[f"{LAYER}.mlp.experts.linear_fc1.bias{i}"] = ((FFN,), i)
-        out[f"{LAYER}.mlp.experts.linear_fc2.weight{i}"] = ((HIDDEN, FFN), i)
-        out[f"{LAYER}.mlp.experts.linear_fc2.bias{i}"] = ((HIDDEN,), i)
+    for param, shape in _EXPERT_SHAPES.items():
+        grouped = variant == "grouped" or (variant == "grouped_bias" and param.endswith("bias"))
+        if grouped:
+            out[f"{LAYER}.mlp.experts.{param}"] = ((NUM_LOCAL, *shape), GROUPED)
+        else:
+            for i in range(NUM_LOCAL):
+                out[f"{LAYER}.mlp.experts.{param}{i}"] = (shape, i)
     return out
 
 
 def _values(seed, name, shape, local_index, ep_rank, what="param"):
-    """The full (unsharded) tensor ``name`` as EP rank ``ep_rank`` holds it: experts by global index."""
+    """The full (unsharded) tensor ``name`` as EP rank ``ep_rank`` holds it: experts by global index
+    (a grouped tensor is its experts' tensors stacked, so its values depend on the EP rank too)."""
+    if local_index == GROUPED:
+        return torch.stack([_values(seed, name, shape[1:], i, ep_rank, what) for i in range(NUM_LOCAL)])
     generic = name
     if local_index is not None:
         generic = name.rstrip("0123456789") + str(ep_rank * NUM_LOCAL + local_index)
@@ -172,14 +186,15 @@ class _Chunk(torch.nn.Module):
         self.config = types.SimpleNamespace(num_moe_experts=NUM_EXPERTS)
 
 
-def _build(layout, seed):
+def _build(layout, seed, variant="indexed"):
     """(model chunk, state dict to checkpoint, {compare key: expected local shard})."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     rank = dist.get_rank()
     inner = torch.nn.Module()
     params, expected = {}, {}
-    for name, (shape, local_index) in _shapes().items():
+    shapes = _shapes(variant)
+    for name, (shape, local_index) in shapes.items():
         is_expert = local_index is not None
         full = _values(seed, name, shape, local_index, layout.ep_rank)
         shard = layout.shard_of(rank, name, full, is_expert)
@@ -198,7 +213,7 @@ def _build(layout, seed):
     namer = types.SimpleNamespace(model_chunks=[chunk])
     state = {}
     for name, param in params.items():
-        shape, local_index = _shapes()[name]
+        shape, local_index = shapes[name]
         is_expert = local_index is not None
         entry = {"step": torch.tensor(float(seed % 97))}
         for sub in ("exp_avg", "exp_avg_sq"):
@@ -246,15 +261,19 @@ def _collect(state, chunk):
     return out
 
 
-def _fix_state(patched):
-    return fix_states(FIX_ID, (_MODULE,), patched)
+_TRAINING = "megatron.training.checkpointing"
 
 
-def _sources(layout, key, got):
+def _fix_state(patched, variant="indexed"):
+    # Grouped tensors are made EP-global through megatron.training.checkpointing's preprocessing.
+    return fix_states(FIX_ID, (_MODULE,) if variant == "indexed" else (_MODULE, _TRAINING), patched)
+
+
+def _sources(layout, key, got, variant):
     """The ranks whose saved local shard of ``key`` equals ``got`` (what a wrong load picked up)."""
     kind, rest = key.split("/", 1)
     name, _, sub = rest.partition("/")
-    shape, local_index = _shapes()[name]
+    shape, local_index = _shapes(variant)[name]
     found = []
     for rank, (ep_rank, _, _) in enumerate(layout.coords):
         full = _values(SAVE_SEED, name, shape, local_index, ep_rank, what=sub or "param")
@@ -264,7 +283,7 @@ def _sources(layout, key, got):
     return found
 
 
-def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -278,17 +297,28 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     try:
         layout = _Layout()
         result["coords"] = layout.coords
-        chunk, state, expected = _build(layout, SAVE_SEED)
+        chunk, state, expected = _build(layout, SAVE_SEED, variant)
         phase = "precondition"
-        result["fix_state"] = _fix_state(patched)
+        result["fix_state"] = _fix_state(patched, variant)
         phase = "preprocess"
+        raw = {(n, sub): v for n, entry in state["optimizer"]["state"].items() for sub, v in entry.items()}
         to_save, result["via"] = _preprocess(chunk, state)
+        # The caller's optimizer dicts (Megatron loads the optimizer from them afterwards) keep the
+        # parameter-shaped tensors, whatever the preprocessing put in the dict it checkpoints.
+        result["raw_state_kept"] = all(
+            state["optimizer"]["state"][n][sub] is v for (n, sub), v in raw.items()
+        )
         result["saved_keys"] = sorted(to_save["model"])
         phase = "save"
         dcp.save(to_save, checkpoint_id=ckpt_dir)
         dist.barrier()
+        # The global shape the checkpoint records for each expert tensor of the model (metadata only).
+        stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+        result["stored_shapes"] = {
+            k[len("model."):]: list(md.size) for k, md in stored.items() if k.startswith("model.") and ".experts." in k
+        }
         phase = "build_fresh"
-        fresh_chunk, fresh_state, fresh_expected = _build(layout, FRESH_SEED)
+        fresh_chunk, fresh_state, fresh_expected = _build(layout, FRESH_SEED, variant)
         same = [k for k, v in expected.items() if v.numel() and torch.equal(v, fresh_expected[k])]
         assert not same, f"fresh state already equals the saved one on {same}: the check would be vacuous"
         phase = "load_preprocess"
@@ -303,7 +333,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
             k: float((expected[k] - got[k]).abs().max()) if expected[k].numel() else 0.0 for k in sorted(expected)
         }
         bad = sorted(k for k, d in result["max_delta"].items() if d != 0.0)
-        result["loaded_from"] = {k: _sources(layout, k, got[k]) for k in bad}
+        result["loaded_from"] = {k: _sources(layout, k, got[k], variant) for k in bad}
         assert not bad, f"tensors differ after load: {bad}"
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -326,6 +356,24 @@ def ep2_dp2(rank, world_size, ckpt_dir, patched, device="cpu"):
     """EP=2 x expert-DP=2 on 4 ranks: expert shards cut unevenly over the expert mesh, dense over 4."""
     assert world_size == 4, f"ep2_dp2 needs 4 ranks, got {world_size}"
     return round_trip(rank, world_size, ckpt_dir, patched, device)
+
+
+def ep2_grouped(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 on 2 ranks, single grouped expert tensors (moe_single_grouped_weight and _bias, 0.18+)."""
+    assert world_size == 2, f"ep2_grouped needs 2 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device, variant="grouped")
+
+
+def ep2_grouped_bias(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 on 2 ranks, indexed expert weights beside one grouped bias per GEMM (moe_single_grouped_bias)."""
+    assert world_size == 2, f"ep2_grouped_bias needs 2 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device, variant="grouped_bias")
+
+
+def ep2_dp2_grouped(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """EP=2 x expert-DP=2 on 4 ranks, single grouped expert tensors cut unevenly over expert DP."""
+    assert world_size == 4, f"ep2_dp2_grouped needs 4 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device, variant="grouped")
 
 
 # -- old layout: saved by one process (fix on or off), loaded by another (fix on) -------------------

@@ -18,7 +18,10 @@ from mcore_ckpt_fixes.scenarios import for_fix
 
 SC = "mcore_ckpt_fixes.scenarios.expert_keys"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
+INDEXED = ("ep2", "ep2_dp2")  # one tensor per local expert (weight{i}, bias{i})
+GROUPED = ("ep2_grouped", "ep2_grouped_bias", "ep2_dp2_grouped")  # single grouped tensors (0.18+)
 MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+TRAINING = "megatron.training.checkpointing"
 EXP = "decoder.layers.0.mlp.experts."
 BIASES = [f"linear_fc{f}.bias{i}" for f in (1, 2) for i in (0, 1)]
 # Every expert bias tensor of the layer, model and Adam state, as the scenario names them.
@@ -31,6 +34,9 @@ def test_registry_declares_every_round_trip():
     assert {n: (s.nproc, s.bug.kind, s.func) for n, s in SCENARIOS.items()} == {
         "ep2": (2, "wrong-values", f"{SC}:ep2"),
         "ep2_dp2": (4, "wrong-values", f"{SC}:ep2_dp2"),
+        "ep2_grouped": (2, "raises", f"{SC}:ep2_grouped"),
+        "ep2_grouped_bias": (2, "wrong-values", f"{SC}:ep2_grouped_bias"),
+        "ep2_dp2_grouped": (4, "raises", f"{SC}:ep2_dp2_grouped"),
     }
 
 
@@ -47,7 +53,7 @@ def _run(name, patched, tmp_path):
     return values(run_world(s.func, s.nproc, {"ckpt_dir": str(tmp_path), "patched": patched}, env=env, timeout=s.timeout))
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", INDEXED)
 def test_unpatched_ep_rank_0_loads_ep_rank_1_biases(name, tmp_path, mcore_version):
     assert mcore_version in FIX.specifiers  # every tested release line is affected
     results = _run(name, False, tmp_path)
@@ -67,7 +73,7 @@ def test_unpatched_ep_rank_0_loads_ep_rank_1_biases(name, tmp_path, mcore_versio
     assert SCENARIOS[name].bug.seen_in(results)  # selftest's judgement agrees
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", INDEXED)
 def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
     results = _run(name, True, tmp_path)
     for rank, r in enumerate(results):
@@ -79,6 +85,67 @@ def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
         want = {f"{EXP}linear_fc{f}.{p}{2 * ep_rank + i}" for f in (1, 2) for p in ("weight", "bias") for i in (0, 1)}
         assert want == {k for k in r["saved_keys"] if ".experts." in k}, (rank, r["saved_keys"])
         assert r["via"].startswith("megatron.training" if mcore_version.release[:2] >= (0, 17) else "megatron.core")
+        assert r["raw_state_kept"] is True
+
+
+# -- single grouped expert tensors (moe_single_grouped_weight / _bias, 0.18+) ---------------------
+
+GROUPED_PARAMS = {"ep2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
+                  "ep2_dp2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
+                  "ep2_grouped_bias": ("linear_fc1.bias", "linear_fc2.bias")}
+# Global shapes of all 4 experts (hidden 4, ffn 6); each EP rank holds 2 of them on dim 0.
+GLOBAL_SHAPES = {"linear_fc1.weight": [4, 6, 4], "linear_fc1.bias": [4, 6], "linear_fc2.weight": [4, 4, 6],
+                 "linear_fc2.bias": [4, 4]}
+
+
+def _grouped_or_skip(name):
+    why = SCENARIOS[name].absent()
+    if why is not None:  # 0.16/0.17: Megatron-Core has no single grouped expert tensors
+        pytest.skip(f"single grouped expert tensors do not exist in this release: {why}")
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_unpatched_single_grouped_experts(name, tmp_path, mcore_version):
+    """Unpatched: a grouped weight stops the optimizer's parameter naming with upstream's assertion
+    on every rank; a grouped bias beside indexed weights saves, and each EP-rank-0 rank loads EP rank
+    1's biases (model and Adam state), silently."""
+    _grouped_or_skip(name)
+    results = _run(name, False, tmp_path)
+    bug = SCENARIOS[name].bug_for(mcore_version)
+    assert bug.seen_in(results)
+    if bug.kind == "raises":
+        for rank, r in enumerate(results):
+            assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
+        return
+    coords = results[0]["coords"]
+    biases = sorted([f"model/{EXP}{b}" for b in GROUPED_PARAMS[name]]
+                    + [f"optimizer/{EXP}{b}/{s}" for b in GROUPED_PARAMS[name] for s in ("exp_avg", "exp_avg_sq")])
+    for rank, r in enumerate(results):
+        assert r["fix_state"] == {MODULE: "disabled", TRAINING: "disabled"} and r["n_tensors"] == 27, (rank, r)
+        # both EP ranks stored the grouped bias under one key with their local shape
+        assert {k: r["stored_shapes"][f"{EXP}{k}"] for k in GROUPED_PARAMS[name]} == {
+            k: [2, *GLOBAL_SHAPES[k][1:]] for k in GROUPED_PARAMS[name]}, r["stored_shapes"]
+        if coords[rank][0] == 0:
+            assert sorted(k for k, d in r["max_delta"].items() if d != 0.0) == biases, (rank, r["max_delta"])
+            assert r["loaded_from"] == {k: [1] for k in biases}, (rank, r["loaded_from"])
+        else:
+            assert r["error"] is None and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_patched_single_grouped_experts_round_trip_exactly(name, tmp_path):
+    """Patched: the key stays, the checkpoint holds one global tensor of all 4 experts, each EP rank
+    writes and loads its own rows (over uneven, one of them empty, expert-DP shards in world 4)."""
+    _grouped_or_skip(name)
+    results = _run(name, True, tmp_path)
+    n = 21 if name != "ep2_grouped_bias" else 27
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] == n and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert r["fix_state"] == {MODULE: "applied", TRAINING: "applied"}, (rank, r["fix_state"])
+        assert {k: r["stored_shapes"][f"{EXP}{k}"] for k in GROUPED_PARAMS[name]} == {
+            k: GLOBAL_SHAPES[k] for k in GROUPED_PARAMS[name]}, r["stored_shapes"]
+        assert r["raw_state_kept"] is True
 
 
 # -- the replacement's contract, in this process (EP layout set through parallel_state's setters) ---
@@ -166,11 +233,14 @@ def test_single_grouped_tensor(ep):
     ep(1, 0)  # EP = 1: the grouped tensor holds every expert, the key is already global
     assert _mod().handle_experts_in_state_dict(single, 4) == single
     assert _mod().get_expert_index_from_key(f"{EXP}linear_fc1.weight") is None
-    ep(2, 0)  # EP > 1: refused, one line, naming the key, the setting and what is accepted
+    ep(2, 1)  # EP > 1: the key stays too (the tensor, not the key, is made EP-global at preprocessing)
+    assert _mod().handle_experts_in_state_dict(single, 4) == single
+    # A SwiGLU half of a grouped tensor under EP: refused, one line, naming the key, the setting and
+    # what is accepted.
     with pytest.raises(ValueError) as info:
-        _mod().handle_experts_in_state_dict(single, 4)
+        _mod().handle_experts_in_state_dict({f"{EXP}linear_fc1.weight_w": 0}, 4)
     msg = str(info.value)
-    assert "\n" not in msg and f"'{EXP}linear_fc1.weight'" in msg and "expert_model_parallel_size=2" in msg
+    assert "\n" not in msg and f"'{EXP}linear_fc1.weight_w'" in msg and "expert_model_parallel_size=2" in msg
     assert "moe_single_grouped_weight=False" in msg and "expert_model_parallel_size=1" in msg
 
 
@@ -185,6 +255,12 @@ def test_probe_and_status(mcore_version):
     verdict, why = expert_keys.probe(m)  # judges the release's own functions even after apply
     assert verdict is True and why.startswith("expert biases keep their local index under EP"), why
     assert "num_experts=None drops every expert key" in why and "a single grouped expert tensor (no index) asserts" in why
+    if mcore_version.release[:2] >= (0, 17):  # megatron.training ships in the wheel
+        import megatron.training.checkpointing as t
+
+        assert row["targets"][TRAINING]["state"] == "applied", row["targets"]
+        verdict, why = expert_keys.probe_training(t)
+        assert verdict is True and why.startswith("a single grouped expert tensor keeps its EP-local shape (2, 2)"), why
 
 
 ALIASES = r"""
@@ -198,6 +274,10 @@ try:
 except ImportError:
     assert sys.version_info < (3, 12)  # 0.16 wheels do not ship megatron.training
 upstream = m.handle_experts_in_state_dict
+import megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor as u
+import megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard
+fs = sys.modules["megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard"]  # the package exports a function of that name
+upstream_pre = u.preprocess_state_dict_for_uneven_dtensor
 # a user module that imported the names before the fix
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict as user_alias
 from megatron.core.transformer.fsdp_dtensor_checkpoint import expert_param_local_key as user_local
@@ -209,9 +289,15 @@ for name, mod in sites.items():
     assert mod.handle_experts_in_state_dict is ek.handle_experts_in_state_dict, name
 assert m.handle_experts_in_state_dict is ek.handle_experts_in_state_dict
 assert g["user_alias"] is ek.handle_experts_in_state_dict and g["user_local"] is ek.expert_param_local_key
+# the uneven-DTensor preprocessing: replaced where megatron.training calls it, nowhere else
+if "training.checkpointing" in sites:
+    assert c.preprocess_state_dict_for_uneven_dtensor is ek.preprocess_state_dict_for_uneven_dtensor
+assert u.preprocess_state_dict_for_uneven_dtensor is upstream_pre and fs.preprocess_state_dict_for_uneven_dtensor is upstream_pre
 mcore_ckpt_fixes.revert()
 for name, mod in sites.items():
     assert mod.handle_experts_in_state_dict is upstream, name
+if "training.checkpointing" in sites:
+    assert c.preprocess_state_dict_for_uneven_dtensor is upstream_pre
 assert g["user_alias"] is upstream
 mcore_ckpt_fixes.apply()
 assert d.handle_experts_in_state_dict is ek.handle_experts_in_state_dict

@@ -61,12 +61,18 @@ from mcore_ckpt_fixes.engine.registry import ENGINE
 # Probes: forced on so the version range does not short-cut them; each must see the fix in place.
 mcore_ckpt_fixes.revert(); mcore_ckpt_fixes.apply({"MCORE_CKPT_FIXES": fix_id, "MCORE_CKPT_FIX_" + fix_id.upper().replace("-", "_"): "on"})
 import importlib
+absent = []
 for t in ENGINE.fixes[fix_id].targets:
-    importlib.import_module(t.module)
+    try:
+        importlib.import_module(t.module)
+    except ImportError:  # e.g. megatron.training, which wheels ship only from 0.17
+        absent.append(t.module)
 row = {r["id"]: r for r in mcore_ckpt_fixes.report()}[fix_id]
 from mcore_ckpt_fixes.harness.launcher import run_world, values
-out = {"probe": row["targets"], "round_trips": {}}
+out = {"probe": row["targets"], "absent": absent, "round_trips": {}}
 for s in mine:
+    if s.absent() is not None:
+        continue  # the feature the scenario needs is not in this release
     d = tempfile.mkdtemp()
     res = values(run_world(s.func, s.nproc, {"ckpt_dir": d, "patched": False}, env={"MCORE_CKPT_FIXES": "off"}, timeout=240))
     out["round_trips"][s.name] = [{"error": r["error"], "max_delta": r["max_delta"], "n_tensors": r["n_tensors"]} for r in res]
@@ -93,7 +99,11 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert set(result["absent"]) <= {"megatron.training.checkpointing"}, result["absent"]
     for module, state in result["probe"].items():
+        if module in result["absent"]:  # not in this release's wheel: its hook never fires
+            assert state["state"] == "pending", (module, state)
+            continue
         assert state["state"] == "not-needed" and state["reason"].startswith("probe:"), (module, state)
     assert set(result["probe"]) == {t.module for t in fix.targets}
     for name, ranks in result["round_trips"].items():
