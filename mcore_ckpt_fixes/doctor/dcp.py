@@ -186,6 +186,11 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
 
     # Expert keys.
     summary, found = experts.check(keys)
+    n_single, single_found = experts.check_single_grouped(
+        {k: list(meta.size) for k, meta in sdm.items() if getattr(meta, "chunks", None) is not None})
+    found += single_found
+    if n_single:
+        summary = (summary + "; " if summary else "") + f"{n_single} single grouped expert tensor{'' if n_single == 1 else 's'}"
     if summary:
         report["experts"] = summary
     report["expert_problems"] = []

@@ -6,6 +6,10 @@ Two spellings carry a global expert index in the key:
 * ``...experts.linear_fc1.weight{i}`` (TE grouped GEMM experts; what ``fsdp_dtensor`` checkpoints
   write after ``handle_experts_in_state_dict``).
 
+A single grouped tensor (``...experts.linear_fc1.weight``, no index: all experts in dim 0) is
+checked by its shape: dim 0 must be the layer's number of experts (the router's rows, or the
+indices of its indexed siblings); fewer means each EP rank wrote its own experts under that one key.
+
 Keys are unique in a checkpoint, so a collision between EP ranks does not show as a duplicate: DCP
 keeps one writer of a key and drops the others. It shows as a parameter whose index set is smaller
 than its siblings' in the same layer (the expert-keys bug: biases keep their local index, so every
@@ -17,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, List, Set, Tuple
 
+# One tensor of a rank's experts per GEMM, dim 0 the expert (moe_single_grouped_weight / _bias, 0.18+).
+_SINGLE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>linear_fc\d\.(?:weight|bias))(?P<suffix>(?:\.\D.*)?)$")
 _SEQUENTIAL = re.compile(r"^(?P<prefix>.*\.experts)\.local_experts\.(?P<idx>\d+)\.(?P<param>.+)$")
 _GROUPED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>(?:[\w]+\.)*?(?:weight|bias))(?P<idx>\d+)(?P<suffix>(?:\..+)?)$")
 
@@ -102,3 +108,34 @@ def check(fqns: Iterable[str]) -> Tuple[str, List[Tuple[str, str]]]:
     summary = (f"{n_keys} expert keys in {len(seen)} expert blocks, "
                f"{'/'.join(str(c) for c in sorted(counts))} experts each")
     return summary, findings
+
+
+def check_single_grouped(sizes: Dict[str, List[int]]) -> Tuple[int, List[Tuple[str, str]]]:
+    """(number of single grouped tensors, [(code, message)]) for a checkpoint's tensor shapes."""
+    indexed: Dict[str, int] = {}  # expert block (with state suffix) -> experts its indexed keys span
+    for fqn in sizes:
+        parsed = _parse(fqn) if ".experts." in fqn else None
+        if parsed is not None:
+            prefix = parsed[0]
+            indexed[prefix] = max(indexed.get(prefix, 0), parsed[2] + 1)
+    n, findings = 0, []
+    for fqn in sorted(sizes):
+        m = _SINGLE.match(fqn) if ".experts." in fqn else None
+        if m is None or not sizes[fqn]:
+            continue
+        n += 1
+        router = f"{m['prefix'][: -len('.experts')]}.router.weight{m['suffix']}"
+        if router in sizes and sizes[router]:
+            experts, source = sizes[router][0], f"rows of {router}"
+        elif m["prefix"] in indexed:
+            experts, source = indexed[m["prefix"]], "indices of its indexed sibling parameters"
+        else:
+            continue  # nothing in the checkpoint says how many experts the layer has
+        if sizes[fqn][0] < experts:
+            findings.append((
+                "expert-key-collision",
+                f"{fqn}: one grouped tensor of {sizes[fqn][0]} experts (shape {sizes[fqn]}) where the layer has "
+                f"{experts} ({source}): each EP rank wrote its own experts under this key and one copy was kept "
+                "(an unfixed Megatron-Core under expert parallelism; see fix expert-keys)",
+            ))
+    return n, findings

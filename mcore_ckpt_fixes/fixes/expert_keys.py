@@ -239,6 +239,7 @@ def _ep_global_grouped_dtensor(key, dtensor, ep_size, ep_rank):
     out._local_tensor.__create_chunk_list__ = functools.partial(list, (chunk,))
     out._local_tensor.__create_write_items__ = functools.partial(_write_one_chunk, chunk)
     out._ep_global_grouped_experts = True
+    out._ep_local_dtensor = dtensor  # what this rank asked for before: a load of an older layout reads it
     return out
 
 
@@ -407,19 +408,79 @@ def old_expert_bias_layout_warning(state_dict_metadata, load_state_dict):
     return text + "Save again with the fix on to store every EP rank's expert biases."
 
 
+def align_old_grouped_expert_layout(state_dict_metadata, load_state_dict):
+    """Point the load of each single grouped expert tensor stored in the unfixed layout at what is
+    stored, and return the warning text (None when nothing is in that layout).
+
+    An unfixed release writes a grouped tensor under EP with its EP-local shape ``(n, ...)`` from
+    every EP rank, and DCP keeps one copy. A fixed load asks for the global ``(ep * n, ...)`` tensor,
+    which DCP would refuse (``Size mismatch``). As for indexed biases in the old layout: EP rank 0
+    (whose global rows are the stored rows) loads that one copy, the best state there is; the other
+    EP ranks do not load it and keep their current values. ``load_state_dict`` is the dict the
+    partial load reads next; the dicts holding these tensors are the preprocessing's own copies.
+    """
+    import sys
+
+    ps = sys.modules[MODULE].parallel_state
+    ep_size = max(ps.get_expert_model_parallel_world_size() or 1, 1)
+    ep_rank = ps.get_expert_model_parallel_rank() or 0
+    old = []  # (flat key, stored shape, requested shape)
+
+    def visit(mapping, prefix):
+        for key in list(mapping):
+            value, flat = mapping[key], f"{prefix}{key}"
+            if isinstance(value, dict):
+                visit(value, f"{flat}.")
+                continue
+            local = getattr(value, "_ep_local_dtensor", None)
+            stored = getattr(state_dict_metadata.get(flat), "size", None)
+            if local is None or stored is None or tuple(stored) != tuple(local.shape):
+                continue
+            old.append((flat, tuple(stored), tuple(value.shape)))
+            if ep_rank == 0:
+                mapping[key] = local
+            else:
+                del mapping[key]
+
+    visit(load_state_dict, "")
+    if not old:
+        return None
+    flat, stored, wanted = old[0]
+    named = ", ".join(repr(k) for k, _, _ in old[:_NAMED_KEYS])
+    more = f" and {len(old) - _NAMED_KEYS} more" if len(old) > _NAMED_KEYS else ""
+    what = (
+        "loads that one saved copy (the best state there is; it may hold another EP rank's experts)"
+        if ep_rank == 0
+        else "does not load them: they keep their current values (not loaded)"
+    )
+    return (
+        f"expert-keys: this fsdp_dtensor checkpoint stores single grouped expert tensors in the layout of an "
+        f"unfixed Megatron-Core: {flat!r} has shape {stored}, one EP rank's experts, where the model's "
+        f"global tensor is {wanted}; every EP rank wrote the same key, so only one EP rank's copy was "
+        f"saved. EP rank {ep_rank} of {ep_size} {what}: {len(old)} tensors: {named}{more}. "
+        f"Save again with the fix on to store every EP rank's experts."
+    )
+
+
 @mark(ID)
 def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwargs):
     """Upstream's (logs, at info level, the keys a partial fsdp_dtensor load will skip), then a
-    ``MegatronPatchWarning`` if the checkpoint holds expert biases in the unfixed layout."""
+    ``MegatronPatchWarning`` if the checkpoint holds expert biases or single grouped expert tensors
+    in the unfixed layout (grouped ones: the load is pointed at what is stored, see
+    :func:`align_old_grouped_expert_layout`)."""
     result = original(MODULE, "print_diff_in_state_dicts")(state_dict_metadata, load_state_dict, *args, **kwargs)
     if _active("print_diff_in_state_dicts", print_diff_in_state_dicts):
-        text = old_expert_bias_layout_warning(state_dict_metadata, load_state_dict)
-        if text is not None:
-            import warnings
+        texts = (
+            old_expert_bias_layout_warning(state_dict_metadata, load_state_dict),
+            align_old_grouped_expert_layout(state_dict_metadata, load_state_dict),
+        )
+        for text in texts:
+            if text is not None:
+                import warnings
 
-            from ..engine.errors import MegatronPatchWarning
+                from ..engine.errors import MegatronPatchWarning
 
-            warnings.warn(text, MegatronPatchWarning, stacklevel=2)
+                warnings.warn(text, MegatronPatchWarning, stacklevel=2)
     return result
 
 

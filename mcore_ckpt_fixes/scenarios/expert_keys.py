@@ -247,7 +247,7 @@ def _preprocess(chunk, state):
 
 
 def _collect(state, chunk):
-    """{compare key: this rank's local shard} out of the (preprocessed, loaded) state."""
+    """{compare key: this rank's local shard} out of the loaded parameters and optimizer state."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     namer = types.SimpleNamespace(model_chunks=[chunk])
@@ -326,7 +326,9 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="index
         phase = "load"
         dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=False))
         phase = "compare"
-        got = _collect(to_load, fresh_chunk)
+        # Read back from the dicts Megatron keeps (the parameters, the raw optimizer state: after an
+        # fsdp_dtensor load it puts raw_optimizer_state_dict back), not from the preprocessed copy.
+        got = _collect(fresh_state, fresh_chunk)
         assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
         result["n_tensors"] = len(expected)
         result["max_delta"] = {
@@ -380,7 +382,7 @@ def ep2_dp2_grouped(rank, world_size, ckpt_dir, patched, device="cpu"):
 # Not registered round trips: tests/fixes/test_expert_keys.py runs them as two worlds in a row.
 
 
-def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
+def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
     """EP=2 on 2 ranks: save only (the fix on or off, as the process was started)."""
     import torch.distributed.checkpoint as dcp
 
@@ -389,7 +391,7 @@ def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
     assert world_size == 2 and device == "cpu", (world_size, device)
     try:
         layout = _Layout()
-        chunk, state, _ = _build(layout, SAVE_SEED)
+        chunk, state, _ = _build(layout, SAVE_SEED, variant)
         fix_state = _fix_state(patched)
         to_save, _ = _preprocess(chunk, state)
         dcp.save(to_save, checkpoint_id=ckpt_dir)
@@ -399,7 +401,7 @@ def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
         ps.destroy_model_parallel()
 
 
-def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
+def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
     """EP=2 on 2 ranks: load what ``save_ep2`` wrote the way ``_load_base_checkpoint`` loads an
     fsdp_dtensor checkpoint by default: the checkpoint's DCP metadata, ``print_diff_in_state_dicts``
     (through the name ``megatron.training.checkpointing`` binds, 0.17+; on 0.16 the megatron.core
@@ -417,7 +419,7 @@ def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
     try:
         layout = _Layout()
         fix_state = _fix_state(patched)
-        chunk, state, fresh = _build(layout, FRESH_SEED)
+        chunk, state, fresh = _build(layout, FRESH_SEED, variant)
         to_load, via = _preprocess(chunk, state)
         metadata = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
         try:
@@ -429,7 +431,7 @@ def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
             warnings.simplefilter("always")
             site.print_diff_in_state_dicts(metadata, to_load)
             dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
-        got = _collect(to_load, chunk)
+        got = _collect(state, chunk)  # the dicts Megatron keeps (see round_trip)
         return {
             "fix_state": fix_state,
             "ep_rank": layout.ep_rank,
@@ -438,6 +440,12 @@ def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
             "not_in_checkpoint": [k for k in requested if k not in metadata],
             # compare keys (local names) whose tensors still hold the fresh values: not loaded
             "not_loaded": sorted(k for k, v in got.items() if v.numel() and torch.equal(v, fresh[k])),
+            # compare keys that were loaded but hold other values than this rank saved, and whose they are
+            "loaded_from": {
+                k: _sources(layout, k, v, variant)
+                for k, v in got.items()
+                if v.numel() and not torch.equal(v, fresh[k]) and _sources(layout, k, v, variant) != [rank]
+            },
         }
     finally:
         ps.destroy_model_parallel()

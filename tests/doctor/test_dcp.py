@@ -28,7 +28,8 @@ def test_torch_dist_clean(saved, mcore_version):
     r = inspect(saved["torch_dist"])
     assert r.ok, r.problems
     assert (r["format"], r["iteration"], r["tensors"], r["chunks"]) == ("torch_dist", 10, 11, 13)
-    assert r["experts"] == "8 expert keys in 1 expert blocks, 4 experts each"
+    # layers.1's grouped weight (expert axis 0, 4 experts) is whole: counted, no finding
+    assert r["experts"] == "8 expert keys in 1 expert blocks, 4 experts each; 1 single grouped expert tensor"
     assert r["rng_layout"].startswith("2-D (pp, tp)")
     files = os.listdir(iter_dir(saved["torch_dist"]))
     # Where this release keeps the common state, checked against what it wrote.

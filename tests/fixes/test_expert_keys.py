@@ -338,9 +338,9 @@ def test_alias_imported_after_the_fix_follows_revert():
 OLD_LAYOUT = "this fsdp_dtensor checkpoint has the expert-bias layout of an unfixed Megatron-Core"
 
 
-def _save_then_load(tmp_path, save_patched):
+def _save_then_load(tmp_path, save_patched, variant="indexed"):
     timeout = SCENARIOS["ep2"].timeout
-    kw = {"ckpt_dir": str(tmp_path)}
+    kw = {"ckpt_dir": str(tmp_path), "variant": variant}
     saved = values(run_world(f"{SC}:save_ep2", 2, {**kw, "patched": save_patched},
                              env={} if save_patched else {"MCORE_CKPT_FIXES": "off"}, timeout=timeout))
     loaded = values(run_world(f"{SC}:load_ep2", 2, {**kw, "patched": True}, env={}, timeout=timeout))
@@ -386,3 +386,62 @@ def test_fixed_load_of_fixed_checkpoint_does_not_warn(tmp_path):
     assert {s["fix_state"][MODULE] for s in saved} == {"applied"}
     for rank, r in enumerate(loaded):
         assert r["warnings"] == [] and r["not_in_checkpoint"] == [] and r["not_loaded"] == [], (rank, r)
+
+
+OLD_GROUPED = "this fsdp_dtensor checkpoint stores single grouped expert tensors in the layout of an unfixed Megatron-Core"
+
+
+@pytest.mark.parametrize("save_patched", [False, True], ids=["unfixed-save", "fixed-save"])
+def test_fixed_load_of_grouped_bias_checkpoint(save_patched, tmp_path):
+    """A grouped bias (moe_single_grouped_bias) beside indexed weights, EP=2, saved with the fix off
+    or on, loaded with it on through megatron.training's partial fsdp_dtensor load. The unfixed
+    checkpoint holds one EP rank's (2, ...) biases where the fixed load asks for (4, ...): EP rank 0
+    loads that copy (it is EP rank 1's), EP rank 1 keeps its values, both are told. A fixed
+    checkpoint loads exactly, without a warning."""
+    _grouped_or_skip("ep2_grouped_bias")
+    saved, loaded = _save_then_load(tmp_path, save_patched, variant="grouped_bias")
+    assert {s["fix_state"][MODULE] for s in saved} == {"applied" if save_patched else "disabled"}
+    biases = sorted([f"model/{EXP}linear_fc{f}.bias" for f in (1, 2)]
+                    + [f"optimizer/{EXP}linear_fc{f}.bias/{s}" for f in (1, 2) for s in ("exp_avg", "exp_avg_sq")])
+    for rank, r in enumerate(loaded):
+        assert r["not_in_checkpoint"] == [], (rank, r["not_in_checkpoint"])
+        if save_patched:
+            assert r["warnings"] == [] and r["not_loaded"] == [] and r["loaded_from"] == {}, (rank, r)
+            continue
+        assert len(r["warnings"]) == 1, (rank, r["warnings"])
+        msg = r["warnings"][0]
+        assert msg.startswith(f"expert-keys: {OLD_GROUPED}: "), msg
+        assert f"EP rank {r['ep_rank']} of 2" in msg and "6 tensors" in msg and "(2, 6)" in msg and "(4, 6)" in msg, msg
+        for key in ("model.decoder.layers.0.mlp.experts.linear_fc1.bias",
+                    "optimizer.state.module.module.decoder.layers.0.mlp.experts.linear_fc2.bias.exp_avg_sq"):
+            assert repr(key) in msg, (key, msg)
+        if r["ep_rank"] == 0:
+            assert "loads that one saved copy" in msg, msg
+            assert r["not_loaded"] == [] and r["loaded_from"] == {k: [1] for k in biases}, (rank, r)
+        else:
+            assert "keep their current values (not loaded)" in msg, msg
+            assert r["not_loaded"] == biases and r["loaded_from"] == {}, (rank, r)
+
+
+@pytest.mark.parametrize("save_patched", [False, True], ids=["unfixed-save", "fixed-save"])
+def test_doctor_on_grouped_bias_checkpoint(save_patched, tmp_path):
+    """``inspect`` tells the two layouts apart from the shapes in the metadata: the unfixed grouped
+    bias holds 2 of the layer's 4 experts (the router has 4 rows)."""
+    from mcore_ckpt_fixes.doctor import diagnose
+
+    _grouped_or_skip("ep2_grouped_bias")
+    saved = values(run_world(f"{SC}:save_ep2", 2, {"ckpt_dir": str(tmp_path), "patched": save_patched,
+                                                    "variant": "grouped_bias"},
+                             env={} if save_patched else {"MCORE_CKPT_FIXES": "off"}, timeout=SCENARIOS["ep2"].timeout))
+    assert len(saved) == 2
+    r = diagnose(str(tmp_path))
+    assert "6 single grouped expert tensors" in r["experts"], r["experts"]
+    if save_patched:
+        assert r.ok, r.problems
+        return
+    found = sorted(p["message"].split(":")[0] for p in r.problems if p["code"] == "expert-key-collision")
+    assert [p["code"] for p in r.problems] == ["expert-key-collision"] * 6, r.problems
+    assert found == sorted([f"model.{EXP}linear_fc{f}.bias" for f in (1, 2)] + [
+        f"optimizer.state.module.module.{EXP}linear_fc{f}.bias.{s}" for f in (1, 2) for s in ("exp_avg", "exp_avg_sq")])
+    assert "one grouped tensor of 2 experts (shape [2, 6]) where the layer has 4" in r.problems[0]["message"] or \
+        "one grouped tensor of 2 experts (shape [2, 4]) where the layer has 4" in r.problems[0]["message"]
