@@ -53,9 +53,14 @@ and the state dict about to be loaded just before a partial load, is wrapped: af
 looks at the metadata's keys (no tensor data) and, if expert biases carry fewer, lower indices than
 the expert weights, emits a ``MegatronPatchWarning`` naming the old layout and the keys this rank
 will not find (those tensors keep their current values). Ranks whose bias keys are present (EP rank
-0) load the one saved copy, the best state there is, and are told it may be another EP rank's. This
-warning is monkeypatch-only: patches/expert-keys/ replaces the three key functions and does not
-touch ``print_diff_in_state_dicts``, so a source-patched install loads such checkpoints without it.
+0) load the one saved copy, the best state there is, and are told it may be another EP rank's.
+Single grouped tensors in the old layout (stored ``(n, ...)``, asked for as ``(ep * n, ...)``, which
+DCP would refuse as a size mismatch) are handled the same way by pointing the request at what is
+stored: EP rank 0 reads the one copy, the other EP ranks drop the tensor from the load and keep their
+values, each with a warning (``align_old_grouped_expert_layout``). This load side is
+monkeypatch-only: patches/expert-keys/ replaces the key functions and the preprocessing binding and
+does not touch ``print_diff_in_state_dicts``, so a source-patched install loads such checkpoints
+without it (bias keys: silently partial; grouped tensors: DCP's size-mismatch error).
 """
 
 from __future__ import annotations
