@@ -161,6 +161,10 @@ def _skip_missing(rows):
     return None
 
 
+# How a scenario whose feature this release lacks is reported (its ``skipped`` text starts so).
+NOT_APPLICABLE = "not applicable to this release: "
+
+
 def _expected_off(scenario, needed, version) -> str:
     bug = scenario.bug_for(version) if needed is not False else None
     return bug.describe() if bug is not None else "round trip exact"
@@ -399,9 +403,6 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     else:
         _print_table(rows, info, torch_version, device, nproc, code, total)
     return code
-
-
-NOT_APPLICABLE = "not applicable to this release: "
 
 
 def _verdict(entry) -> str:

@@ -103,16 +103,20 @@ def _parse_expert_key(key):
     return m.group("head"), (int(m.group("index")) if m.group("index") else None), m.group("tail") or ""
 
 
-def _ep_layout(num_experts):
-    """(ep_size, ep_rank, num_local_experts, offset of this rank's first expert)."""
+def _ep_size_and_rank():
+    """(EP size, EP rank) of this rank, from parallel_state."""
     import sys
 
     # Read through the module's namespace, not imported here: the probe swaps it for a stand-in.
     ps = sys.modules[MODULE].parallel_state
-    # 0 when parallel_state is not initialised (a single-process conversion script): one EP rank.
-    # (upstream's get_ep_layer_offset divides by it.)
-    ep_size = max(ps.get_expert_model_parallel_world_size(), 1)
-    ep_rank = ps.get_expert_model_parallel_rank()
+    # 0 (or None) when parallel_state is not initialised (a single-process conversion script): one
+    # EP rank. (upstream's get_ep_layer_offset divides by it.)
+    return max(ps.get_expert_model_parallel_world_size() or 1, 1), ps.get_expert_model_parallel_rank() or 0
+
+
+def _ep_layout(num_experts):
+    """(ep_size, ep_rank, num_local_experts, offset of this rank's first expert)."""
+    ep_size, ep_rank = _ep_size_and_rank()
     num_local = num_experts // ep_size
     return ep_size, ep_rank, num_local, ep_rank * num_local
 
@@ -256,15 +260,11 @@ def handle_grouped_experts_in_state_dict(state_dict):
     Updates ``state_dict`` in place at the top level; dicts below it on the path to a changed
     tensor are copied, never modified. Returns ``state_dict``.
     """
-    import sys
-
     from torch.distributed.tensor import DTensor
 
-    ps = sys.modules[MODULE].parallel_state
-    ep_size = max(ps.get_expert_model_parallel_world_size(), 1)
+    ep_size, ep_rank = _ep_size_and_rank()
     if ep_size == 1:
         return state_dict
-    ep_rank = ps.get_expert_model_parallel_rank()
 
     def visit(mapping, grouped):
         changed = None
@@ -389,8 +389,7 @@ def old_expert_bias_layout_warning(state_dict_metadata, load_state_dict):
             missing.append(key)
     missing.sort()
     (head, tail), (biases, weights) = sorted(old.items())[0]
-    ps = module.parallel_state
-    ep_size, ep_rank = max(ps.get_expert_model_parallel_world_size() or 1, 1), ps.get_expert_model_parallel_rank() or 0
+    ep_size, ep_rank = _ep_size_and_rank()
     text = (
         f"expert-keys: this fsdp_dtensor checkpoint has the expert-bias layout of an unfixed Megatron-Core: "
         f"expert biases are stored under local indices (e.g. {head}bias{{{biases[0]}..{biases[-1]}}}{tail}) "
@@ -424,11 +423,7 @@ def align_old_grouped_expert_layout(state_dict_metadata, load_state_dict):
     EP ranks do not load it and keep their current values. ``load_state_dict`` is the dict the
     partial load reads next; the dicts holding these tensors are the preprocessing's own copies.
     """
-    import sys
-
-    ps = sys.modules[MODULE].parallel_state
-    ep_size = max(ps.get_expert_model_parallel_world_size() or 1, 1)
-    ep_rank = ps.get_expert_model_parallel_rank() or 0
+    ep_size, ep_rank = _ep_size_and_rank()
     old = []  # (flat key, stored shape, requested shape)
 
     def visit(mapping, prefix):
@@ -479,12 +474,12 @@ def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwa
             old_expert_bias_layout_warning(state_dict_metadata, load_state_dict),
             align_old_grouped_expert_layout(state_dict_metadata, load_state_dict),
         )
-        for text in texts:
-            if text is not None:
-                import warnings
+        if any(texts):
+            import warnings
 
-                from ..engine.errors import MegatronPatchWarning
+            from ..engine.errors import MegatronPatchWarning
 
+            for text in filter(None, texts):
                 warnings.warn(text, MegatronPatchWarning, stacklevel=2)
     return result
 
