@@ -38,6 +38,18 @@ so loading into it writes straight back into the fused tensor), its TP-global sh
 ``(size * tp, ...)`` and its chunk offset ``tp_rank * size + rows before this rank's slice``, and
 attaches the chunk metadata DCP reads. The result is the checkpoint upstream's working branch
 writes for the ordinary (TP-global) layout, on every rank, for every input layout.
+
+Plain torch DTensors (``distribute_tensor`` / ``DTensor.from_local`` on a CPU or CUDA mesh, no
+Megatron-FSDP attributes: what a script that distributes Hugging Face weights hands over) carry
+their place in their own mesh and placements: the local chunk is computed from the mesh coordinate
+with torch's chunking (Shard(0) on 1-D and 2-D meshes, nested Shard, Replicate; chunk metadata that
+Megatron-FSDP attached wins), the TP rank of a TP-local tensor comes from a TP=1 module, the
+parameter's Megatron-FSDP mesh, a ``"tp"`` mesh dimension or ``parallel_state``, and a TP-global
+tensor's rows name their TP block. 0.19.2 splits such TP=1 tensors itself (so must the fix: it may
+never fail where the release succeeds); 0.18.x raises ``AttributeError: 'DTensor' object has no
+attribute 'megatron_fsdp_slice'``. Layouts with no contiguous local chunk (Partial, strided shards,
+a local part spanning TP blocks, a TP-local tensor whose TP rank nothing names) are refused with
+one ``ValueError`` line: upstream either fails on them too or writes TP ranks over each other.
 """
 
 from __future__ import annotations
@@ -181,16 +193,39 @@ def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
     Everything it decides on comes from metadata identical on every rank (the parameter's global
     shape, the module's sizes, the mesh) plus this rank's own coordinates: no collective.
     ``DTensor``: the class as the Megatron module names it (the probe swaps in an inert stand-in).
+
+    Two ways to know where this rank's local part lies in the fused tensor: a Megatron-FSDP
+    parameter says it in ``megatron_fsdp_slice`` (a flat slice of the TP-local tensor); any other
+    DTensor says it in its own mesh and placements (torch's ``distribute_tensor``, a conversion
+    script's ``DTensor.from_local``). The choice depends on attributes of the parameter and the
+    sizes of the data, never on another rank.
     """
+    local = data.to_local() if isinstance(data, DTensor) else data
+    fsdp_slice = getattr(dist_param, "megatron_fsdp_slice", None)
+    n = local.numel()
+    whole = sum(split_sizes) * _gdn_row_numel(dist_param)
+    if getattr(dist_param, "megatron_fsdp_dist_index", None) is not None and (
+        n == whole or (fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n)
+    ):
+        return _gdn_split_fsdp_slice(data, dist_param, split_sizes, module_tp, key, DTensor)
+    if isinstance(data, DTensor) or isinstance(dist_param, DTensor):
+        return _gdn_split_by_placements(data, dist_param, split_sizes, module_tp, key, DTensor)
+    raise TypeError(f"[GDN] {key}: neither the data nor the parameter is a DTensor")
+
+
+def _gdn_row_numel(tensor):
     import math
 
-    import torch
+    return math.prod(tensor.shape[1:])
 
+
+def _gdn_split_fsdp_slice(data, dist_param, split_sizes, module_tp, key, DTensor):
+    """Pieces of this rank's Megatron-FSDP slice (or of a whole TP-local copy) of the fused tensor."""
     local = data.to_local() if isinstance(data, DTensor) else data
     tp_size, tp_rank = _gdn_tp_coordinates(dist_param)
     local_rows = sum(split_sizes)
     row_shape = list(dist_param.shape[1:])
-    row_numel = math.prod(row_shape)
+    row_numel = _gdn_row_numel(dist_param)
     total = local_rows * row_numel
     if module_tp != tp_size or dist_param.shape[0] != local_rows * tp_size:
         raise ValueError(
@@ -201,14 +236,8 @@ def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
     n = local.numel()
     if fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n:
         start, stop = fsdp_slice.start, fsdp_slice.stop
-    elif n == total:
-        start, stop = 0, total  # an unsharded local copy of the TP-local tensor
     else:
-        raise ValueError(
-            f"[GDN] {key}: local part has {n} elements; expected this rank's Megatron-FSDP slice "
-            f"({None if fsdp_slice is None else fsdp_slice.stop - fsdp_slice.start}) or the whole "
-            f"TP-local tensor ({total})"
-        )
+        start, stop = 0, total  # an unsharded local copy of the TP-local tensor
     if start % row_numel or stop % row_numel:
         raise ValueError(f"[GDN] {key}: Megatron-FSDP slice {start}:{stop} is not row-aligned ({row_numel})")
 
@@ -219,19 +248,112 @@ def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
     else:
         raise TypeError(f"[GDN] {key}: neither the data nor the parameter is a DTensor")
 
-    flat = local.reshape(-1)  # a view for the contiguous local shards Megatron-FSDP hands out
-    pieces = []
-    row = 0
+    rows = local.reshape(-1, *row_shape)  # a view for the contiguous local shards Megatron-FSDP hands out
+    return _gdn_pieces(rows, start // row_numel, [0] * len(row_shape), row_shape, split_sizes, tp_size, tp_rank,
+                       mesh, placements, DTensor)
+
+
+def _gdn_split_by_placements(data, dist_param, split_sizes, module_tp, key, DTensor):
+    """Pieces of a DTensor that carries no Megatron-FSDP slice: its mesh and placements place it."""
+    src = data if isinstance(data, DTensor) else dist_param
+    local = data.to_local() if isinstance(data, DTensor) else data
+    offsets, sizes = _gdn_local_chunk(src, key)
+    if tuple(local.shape) != tuple(sizes):
+        raise ValueError(
+            f"[GDN] {key}: local part has shape {tuple(local.shape)}, but placements {tuple(src.placements)} "
+            f"give this rank {tuple(sizes)} of {tuple(src.shape)}; accepted: torch's Shard chunking "
+            "(ceil(n / mesh size) rows per rank) or chunk metadata attached by Megatron-FSDP"
+        )
+    local_rows, global_rows = sum(split_sizes), src.shape[0]
+    if global_rows == local_rows:  # TP-local: the TP rank comes from outside the DTensor
+        tp_size, tp_rank = _gdn_tp_of_tp_local(src, dist_param, module_tp, key)
+        first = offsets[0]
+    elif global_rows == local_rows * module_tp:  # TP-global: the rows say which TP rank's block
+        tp_size, tp_rank = module_tp, offsets[0] // local_rows
+        first = offsets[0] - tp_rank * local_rows
+        if sizes[0] and first + sizes[0] > local_rows:
+            raise ValueError(
+                f"[GDN] {key}: this rank holds rows {offsets[0]}:{offsets[0] + sizes[0]} of a TP-global "
+                f"tensor of {module_tp} blocks of {local_rows} rows; accepted: a local part within one TP block"
+            )
+    else:
+        raise ValueError(
+            f"[GDN] {key}: DTensor of shape {tuple(src.shape)} is neither TP-local ({local_rows} rows) nor "
+            f"TP-global ({local_rows * module_tp} rows) for module tp_size={module_tp}"
+        )
+    return _gdn_pieces(local, first, list(offsets[1:]), list(src.shape[1:]), split_sizes, tp_size, tp_rank,
+                       src.device_mesh, src.placements, DTensor)
+
+
+def _gdn_local_chunk(dtensor, key):
+    """(offsets, sizes) of this rank's local part in the DTensor's global shape, without a collective:
+    the chunk metadata Megatron-FSDP attached, else torch's chunking from the mesh coordinate."""
+    import sys
+
+    attached = getattr(dtensor._local_tensor, "__create_chunk_list__", None)
+    if attached is not None:
+        chunks = attached()
+        if len(chunks) == 1:
+            return list(chunks[0].offsets), list(chunks[0].sizes)
+    upstream = sys.modules[MODULE]
+    coord = dtensor.device_mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"[GDN] {key}: this rank is not in the DTensor's device mesh")
+    offsets, extent = [0] * dtensor.dim(), list(dtensor.shape)
+    for i, p in enumerate(dtensor.placements):
+        if type(p) is upstream.Replicate:
+            continue
+        if type(p) is not upstream.Shard:  # Partial, _StridedShard: no contiguous local chunk
+            raise ValueError(f"[GDN] {key}: cannot split a DTensor placed {p!r}; accepted: Shard(dim), Replicate()")
+        d, n = p.dim % dtensor.dim(), dtensor.device_mesh.size(i)
+        chunk = -(-extent[d] // n)
+        start = min(coord[i] * chunk, extent[d])
+        offsets[d] += start
+        extent[d] = max(0, min(chunk, extent[d] - start))
+    return offsets, extent
+
+
+def _gdn_tp_of_tp_local(dtensor, dist_param, module_tp, key):
+    """(tp_size, tp_rank) for a TP-local DTensor: 1 for a TP=1 module, else the parameter's
+    Megatron-FSDP mesh, a 'tp' dimension of the DTensor's mesh, or parallel_state's TP group."""
+    import sys
+
+    if module_tp == 1:
+        return 1, 0
+    found = _gdn_tp_coordinates(dist_param)
+    names = getattr(dtensor.device_mesh, "mesh_dim_names", None) or ()
+    if found[0] == 1 and "tp" in names:
+        dim = names.index("tp")
+        found = dtensor.device_mesh.size(dim), dtensor.device_mesh.get_local_rank(dim)
+    if found[0] == 1:
+        import torch.distributed as dist
+
+        group = sys.modules[MODULE].parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+        if group is not None:
+            found = dist.get_world_size(group), dist.get_rank(group)
+    if found[0] != module_tp:
+        raise ValueError(
+            f"[GDN] {key}: TP-local DTensor of a module with tp_size={module_tp}, but this rank's TP size "
+            f"is {found[0]} (read from the parameter's Megatron-FSDP mesh, a 'tp' mesh dimension, or "
+            "parallel_state); accepted: one of those naming the module's TP size, or TP-global tensors"
+        )
+    return found
+
+
+def _gdn_pieces(rows, first, tail_offsets, row_shape, split_sizes, tp_size, tp_rank, mesh, placements, DTensor):
+    """Cut ``rows`` (this rank's rows ``first...`` of the TP-local fused tensor, a view) into one
+    TP-global DTensor per component, each with the chunk it holds."""
+    import torch
+
+    last = first + rows.shape[0]
+    pieces, row = [], 0
     for size in split_sizes:
-        lo = max(start, row * row_numel)
-        hi = min(stop, (row + size) * row_numel)
+        lo, hi = max(first, row), min(last, row + size)
         if lo >= hi:
-            lo = hi = max(min(start, (row + size) * row_numel), row * row_numel)
-            part = flat[0:0].view(0, *row_shape)
+            lo, part = min(max(first, row), row + size), rows[0:0]
         else:
-            part = flat[lo - start : hi - start].view(-1, *row_shape)
-        global_shape = [size * tp_size] + row_shape
-        offsets = [tp_rank * size + (lo - row * row_numel) // row_numel] + [0] * len(row_shape)
+            part = rows[lo - first : hi - first]
+        global_shape = [size * tp_size] + list(row_shape)
         piece = DTensor.from_local(
             part,
             device_mesh=mesh,
@@ -240,7 +362,7 @@ def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
             shape=torch.Size(global_shape),
             stride=torch.empty(global_shape, device="meta").stride(),
         )
-        _gdn_attach_chunk(piece, offsets)
+        _gdn_attach_chunk(piece, [tp_rank * size + lo - row] + list(tail_offsets))
         pieces.append(piece)
         row += size
     return pieces

@@ -195,6 +195,24 @@ SCENARIOS += (
         doc="the same with Adam exp_avg/exp_avg_sq state",
     ),
 )
+# Plain torch DTensors (distribute_tensor / DTensor.from_local, no Megatron-FSDP attributes), as a
+# conversion script hands them over. 0.18 reads Megatron-FSDP's slice off every parameter and stops;
+# 0.19 splits TP=1 tensors right (exact with the fix off too) and, at TP=2, writes both TP ranks'
+# TP-local pieces to the same chunks.
+_GDN_NO_FSDP_SLICE = Bug.raises("preprocess", "AttributeError: 'DTensor' object has no attribute 'megatron_fsdp_slice'")
+SCENARIOS += (
+    Scenario(
+        "gdn-fsdp-split", "plain_dtensors", f"{_GDN}:plain_dtensors", 2, {"<0.19": _GDN_NO_FSDP_SLICE},
+        prepare=f"{_GDN}:prepare", devices=("cpu",), timeout=150, requires=_GDN_REQUIRES,
+        doc="TP=1 GDN tensors as plain torch DTensors: Shard(0) on 1-D and 2-D meshes, nested Shard(0), Replicate; + Adam state",
+    ),
+    Scenario(
+        "gdn-fsdp-split", "plain_dtensors_tp2", f"{_GDN}:plain_dtensors_tp2", 2,
+        {"<0.19": _GDN_NO_FSDP_SLICE, ">=0.19": Bug.wrong_values()},
+        prepare=f"{_GDN}:prepare", devices=("cpu",), timeout=120, requires=_GDN_REQUIRES,
+        doc="TP=2, TP-local plain torch DTensors on a (dp, tp) mesh + Adam state",
+    ),
+)
 
 
 _RNG = "mcore_ckpt_fixes.scenarios.rng_under_ep"

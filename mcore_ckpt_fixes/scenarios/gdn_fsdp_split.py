@@ -225,6 +225,8 @@ def _refuse(msd, osd):
             for sub in ("exp_avg", "exp_avg_sq"):
                 out[f"opt/{key}/{sub}"] = torch.cat([loc(osd["state"][f"module.module.{key}.{s}"][sub]) for s in subs])
     key = f"{PATH}.out_proj.weight"
+    if key not in msd:  # the plain TP=2 layouts leave the non-GDN tensor out
+        return out
     out[key] = loc(msd[key])
     if osd is not None:
         for sub in ("exp_avg", "exp_avg_sq"):
@@ -423,3 +425,145 @@ def count_collectives(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, l
     n_tensors = n_params * (3 if optimizer else 1)
     return {"counts": counts, "total": sum(counts.values()), "gdn_params": n_params, "gdn_tensors": n_tensors,
             "seconds": elapsed, "impl": impl, "layout": layout, "tp": tp, "error": error}
+
+
+# -- plain torch DTensors (no Megatron-FSDP attributes) --------------------------------------------
+#
+# What a conversion script hands over when it distributes Hugging Face weights with torch's own
+# DTensor API: parameters that are DTensors on a CPU DeviceMesh, with no ``megatron_fsdp_slice`` /
+# ``megatron_fsdp_dist_index``. TP-local (the DTensor's global shape is this TP rank's tensor).
+#
+# (name, mesh shape, mesh dim names, placements, module TP). TP=1 layouts are built with
+# ``distribute_tensor``; the TP=2 one with ``DTensor.from_local`` (its TP ranks hold different data,
+# which ``distribute_tensor`` would overwrite with TP rank 0's), on a ("dp", "tp") mesh whose "tp"
+# dimension tells each rank its TP rank.
+PLAIN_LAYOUTS = {
+    "shard0_1d": ((2,), ("dp",), ("S0",), 1),
+    "replicate_1d": ((2,), ("dp",), ("R",), 1),
+    "shard0_2d": ((1, 2), ("dp_replicate", "dp_shard"), ("R", "S0"), 1),
+    "shard0_shard0_2d": ((2, 1), ("dp_outer", "dp_inner"), ("S0", "S0"), 1),
+    "tp2_local_2d": ((1, 2), ("dp", "tp"), ("S0", "R"), 2),
+}
+PLAIN_TP1 = ("shard0_1d", "replicate_1d", "shard0_2d", "shard0_shard0_2d")
+
+
+def _placements(codes):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(0) if c == "S0" else Replicate() for c in codes]
+
+
+def _plain_dtensor(full, mesh, placements, tp):
+    """A plain torch DTensor of ``full`` (this TP rank's TP-local tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if tp == 1:
+        return distribute_tensor(full, mesh, placements)
+    # The TP ranks hold different tensors: place this rank's chunk of its own tensor by hand.
+    local = full
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            local = torch.tensor_split(local, mesh.size(i), dim=p.dim)[mesh.get_local_rank(i)]
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False)
+
+
+def _build_plain(layout, seed):
+    """(model, model_state_dict, optimizer_state_dict, expected local parts by key, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh_shape, names, codes, tp = PLAIN_LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    tp_rank = mesh.get_local_rank(names.index("tp")) if "tp" in names else 0
+    placements = _placements(codes)
+    gdn = GdnStandIn(tp)
+    expected, state = {}, {}
+    for name, shape in local_shapes(tp).items():
+        if tp > 1 and name == "out_proj.weight":
+            continue  # not a GDN fused tensor; a TP-local DTensor "replicated" over "tp" would collide by itself
+        dt = _plain_dtensor(_values(seed, tp_rank, name, shape), mesh, placements, tp)
+        getattr(gdn, name.split(".")[0]).register_parameter(name.split(".")[1], torch.nn.Parameter(dt, requires_grad=False))
+        key = f"{PATH}.{name}"
+        expected[key] = dt.to_local().clone()
+        entry = {"step": torch.tensor(7.0)}
+        for sub in ("exp_avg", "exp_avg_sq"):
+            entry[sub] = _plain_dtensor(_values(seed, tp_rank, f"{name}/{sub}", shape), mesh, placements, tp)
+            expected[f"opt/{key}/{sub}"] = entry[sub].to_local().clone()
+        state[f"module.module.{key}"] = entry
+    inner = torch.nn.Module()
+    inner.decoder = torch.nn.Module()
+    inner.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    inner.decoder.layers[0].self_attention = gdn
+    model = _Wrapper(inner)
+    msd = {k: model.module.get_parameter(k) for k in expected if not k.startswith("opt/")}
+    osd = {"state": state, "param_groups": [{"lr": 1.0, "params": list(state)}]}
+    return model, msd, osd, {k: v.reshape(-1) for k, v in expected.items()}, tp
+
+
+def plain_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", layouts=PLAIN_TP1):
+    """One world, one DCP round trip per layout (each into its own directory), model and Adam state."""
+    import os
+    import types
+
+    import torch.distributed.checkpoint as dcp
+
+    if device != "cpu":
+        raise ValueError("gdn-fsdp-split scenarios run on CPU (gloo) only")
+    _cpu_cuda_shim()
+    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
+              "device": "cpu", "layouts": list(layouts)}
+    phase = "setup"
+    try:
+        phase = "precondition"
+        result["fix_state"] = _fix_state(patched)
+        for layout in layouts:
+            path = os.path.join(ckpt_dir, layout)
+            phase = "setup"
+            model, msd, osd, expected, tp = _build_plain(layout, SAVE_SEED)
+            phase = "preprocess"
+            msd_s, osd_s = _handle()(model, msd, osd)
+            phase = "save"
+            dcp.save(_dcp_state(msd_s, osd_s), checkpoint_id=path)
+            dist.barrier()
+            phase = "build_fresh"
+            fmodel, fmsd, fosd, _, _ = _build_plain(layout, FRESH_SEED)
+            phase = "load_preprocess"
+            fstate = _dcp_state(*_handle()(fmodel, fmsd, fosd))
+            phase = "load"
+            dcp.load(fstate, checkpoint_id=path)
+            phase = "compare"
+            got = _refuse(fstate["model"], fstate.get("optimizer"))
+            # The fresh model's own tensors (what training goes on with) must hold the loaded values:
+            # the pieces are views into them.
+            for key in got:
+                if not key.startswith("opt/"):
+                    got[key] = fmodel.module.get_parameter(key).to_local().reshape(-1)
+            assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+            for k in sorted(expected):
+                d = float((expected[k] - got[k]).abs().max()) if got[k].numel() else 0.0
+                result["max_delta"][f"{layout}/{k}"] = d
+            result["n_tensors"] += len(expected)
+            bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
+            assert not bad, f"tensors differ after load: {bad}"
+            phase = "global_check"
+            deltas = _global_check(types.SimpleNamespace(tp=tp), path)
+            bad = {k: d for k, d in deltas.items() if d != 0.0}
+            assert not bad, f"{layout}: saved components are not the TP-global ones: {bad}"
+            dist.barrier()
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        result["error"] = _short(exc)
+        result["error_detail"] = f"{type(exc).__name__}: {exc}"
+        result["phase"] = phase
+        result["traceback"] = traceback.format_exc()
+    return result
+
+
+def plain_dtensors(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """TP=1, plain torch DTensors: Shard(0) on 1-D and 2-D meshes, nested Shard(0), Replicate."""
+    return plain_round_trip(rank, world_size, ckpt_dir, patched, device, layouts=PLAIN_TP1)
+
+
+def plain_dtensors_tp2(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """TP=2, TP-local plain torch DTensors on a ("dp", "tp") mesh."""
+    return plain_round_trip(rank, world_size, ckpt_dir, patched, device, layouts=("tp2_local_2d",))

@@ -17,7 +17,10 @@ BOUNDARY = "AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary chec
 TP_LOCAL = ("tp2_local", "tp2_local_optimizer")  # the layout upstream gets wrong
 UPSTREAM_OK = ("tp2_global", "tp1", "tp1_optimizer")  # layouts upstream already handles
 MIXED = ("mixed", "mixed_model")  # ranks holding different layouts / tensor types
-ALL = TP_LOCAL + UPSTREAM_OK + MIXED
+# Plain torch DTensors (no Megatron-FSDP attributes): TP=1 on several meshes, TP=2 TP-local.
+PLAIN = ("plain_dtensors", "plain_dtensors_tp2")
+ALL = TP_LOCAL + UPSTREAM_OK + MIXED + PLAIN
+NO_FSDP_SLICE = "AttributeError: 'DTensor' object has no attribute 'megatron_fsdp_slice'"
 
 
 def _has_gdn(version):
@@ -46,7 +49,7 @@ def _exact(results):
 
 
 def test_registered_scenarios_point_here():
-    assert [s.name for s in for_fix(FIX.id)] == list(TP_LOCAL)
+    assert [s.name for s in for_fix(FIX.id)] == list(TP_LOCAL + PLAIN)
     for s in for_fix(FIX.id):
         assert s.func.startswith(f"{SC}:") and s.nproc == 2
 
@@ -87,6 +90,29 @@ def test_unpatched_tp_local(name, tmp_path, mcore_version):
         assert any(d != 0.0 for r in results for d in r["max_delta"].values())
     bug = next(s for s in for_fix(FIX.id) if s.name == name).bug_for(mcore_version)
     assert bug.seen_in(results)  # selftest's judgement agrees with the registry
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_unpatched_plain_dtensors(name, tmp_path, mcore_version):
+    """Plain torch DTensors: 0.18 reads Megatron-FSDP's slice off the parameter and stops; 0.19
+    splits TP=1 tensors right (the fix must too: it may never fail where the release succeeds) and
+    at TP=2 saves both TP ranks' TP-local pieces to the same chunks."""
+    if not _has_gdn(mcore_version):
+        pytest.skip("no handle_gdn_in_state_dict before 0.18")
+    raw = _run(name, False, tmp_path)
+    results = values(raw)
+    bug = next(s for s in for_fix(FIX.id) if s.name == name).bug_for(mcore_version)
+    if mcore_version.release[:2] == (0, 18):
+        for rank, r in enumerate(results):
+            assert (r["phase"], r["error"]) == ("preprocess", NO_FSDP_SLICE), (rank, r.get("error_detail"))
+    elif name == "plain_dtensors":
+        _exact(raw)
+        assert bug is None
+        return
+    else:
+        for rank, r in enumerate(results):
+            assert r["phase"] == "compare" and r["error"].startswith("AssertionError: tensors differ"), (rank, r["error"])
+    assert bug.seen_in(results)
 
 
 @pytest.mark.parametrize("name", UPSTREAM_OK)
@@ -146,3 +172,81 @@ def test_no_collectives_and_rebinding(mcore_version):
     )
     for r in counts:
         assert r["total"] == 0, r["counts"]
+
+
+# -- plain DTensors, in-process: where each rank's pieces lie, and the layouts refused in one line --
+
+
+def _mesh(rank, size=2, names=("dp",)):
+    """A real DeviceMesh built without process groups: only this rank's coordinate is read."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(size), mesh_dim_names=names, _init_backend=False, _rank=rank)
+
+
+def _plain(local, mesh, placements, shape):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _split(data, tp, sizes=(2, 2, 1)):
+    import torch
+    from torch.distributed.tensor import DTensor
+    from mcore_ckpt_fixes.fixes import gdn_fsdp_split as g
+
+    param = torch.nn.Parameter(data, requires_grad=False)
+    return g.split_gdn_fused(data, param, list(sizes), tp, "k", DTensor)
+
+
+def _chunks(pieces):
+    return [(tuple(p.shape), tuple(p.__create_chunk_list__()[0].offsets), tuple(p.to_local().shape)) for p in pieces]
+
+
+def test_plain_tp_global_rows_name_their_tp_block(mcore_version):
+    """A TP-global plain DTensor Shard(0) over 2 ranks of a TP=2 module: rank 1 holds TP block 1,
+    so its query piece is rows 2-3 of the 4-row global query."""
+    if not _has_gdn(mcore_version):
+        pytest.skip("no handle_gdn_in_state_dict before 0.18")
+    import torch
+    from torch.distributed.tensor import Shard
+
+    import megatron.core.transformer.fsdp_dtensor_checkpoint  # noqa: F401  (the names the split reads)
+
+    data = _plain(torch.arange(15.0).reshape(5, 3), _mesh(1), [Shard(0)], (10, 3))
+    pieces = _split(data, tp=2)
+    assert _chunks(pieces) == [((4, 3), (2, 0), (2, 3)), ((4, 3), (2, 0), (2, 3)), ((2, 3), (1, 0), (1, 3))]
+    assert pieces[0].to_local().data_ptr() == data.to_local().data_ptr()  # views: a load writes through
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("partial", "[GDN] k: cannot split a DTensor placed Partial(sum); accepted: Shard(dim), Replicate()"),
+        ("tp_unknown", "[GDN] k: TP-local DTensor of a module with tp_size=2, but this rank's TP size is 1"),
+        ("bad_local", "[GDN] k: local part has shape (4, 3), but placements (Shard(dim=0),) give this rank (2, 3) of (5, 3)"),
+        ("spans_blocks", "[GDN] k: this rank holds rows 0:10 of a TP-global tensor of 2 blocks of 5 rows"),
+    ],
+)
+def test_plain_layouts_refused_in_one_line(case, message, mcore_version):
+    if not _has_gdn(mcore_version):
+        pytest.skip("no handle_gdn_in_state_dict before 0.18")
+    import torch
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    import megatron.core.transformer.fsdp_dtensor_checkpoint  # noqa: F401
+
+    data, tp = {
+        "partial": (lambda: (_plain(torch.zeros(5, 3), _mesh(0), [Partial()], (5, 3)), 1)),
+        # TP=2 module, TP-local tensor, a mesh without "tp" and parallel_state uninitialised.
+        "tp_unknown": (lambda: (_plain(torch.zeros(3, 3), _mesh(0), [Shard(0)], (5, 3)), 2)),
+        "bad_local": (lambda: (_plain(torch.zeros(4, 3), _mesh(1), [Shard(0)], (5, 3)), 1)),
+        "spans_blocks": (lambda: (_plain(torch.zeros(10, 3), _mesh(0), [Replicate()], (10, 3)), 2)),
+    }[case]()
+    with pytest.raises(ValueError) as info:
+        _split(data, tp)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
