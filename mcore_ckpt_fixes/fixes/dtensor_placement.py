@@ -21,10 +21,13 @@ Megatron's FSDP2 wrapper tagged ``is_torch_fsdp2_param``; decided by running the
 mesh coordinate and the placements (torch's chunking: ``ceil(n / mesh_size)`` rows per shard, the last
 ones shorter or empty), merges it with the TP offset when TP splits the same axis (TP outer, the
 DTensor inside the TP-local tensor, as FSDP2 shards Megatron's TP-local parameters), takes the
-replica index from the Replicate mesh dimensions, and builds the ShardedTensor on the local tensor:
+replica index from the Replicate mesh dimensions (the DTensor's mesh holds every copy of its data,
+so the dense group the caller passes never decides who writes: on a size-1 mesh this rank is the
+main replica), and builds the ShardedTensor on the local tensor:
 a regular grid when every split is even, an irregular one (``axis_fragmentations=None``, which
-dist_checkpointing supports on PyTorch >= 2.6) otherwise. All-Replicate DTensors take the release's
-plain path with their local tensor: nothing is gathered. Partial and strided placements are refused
+dist_checkpointing supports on PyTorch >= 2.6) otherwise. All-Replicate DTensors (and those on a
+size-1 mesh) take the release's plain path with their local tensor and the mesh's replica index:
+nothing is gathered. Partial and strided placements are refused
 with one line naming the key and the accepted placements. Nothing here issues a collective.
 
 The helpers are bound by name in many modules (``from megatron.core.utils import ...``): they are
@@ -212,8 +215,12 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     if not _takes_dtensor_branch(TP_HELPER, tensor):
         return orig(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     layout = dtensor_layout(tensor, key)
-    if not layout.sharded:  # all Replicate: the plain path, on the local (= full) tensor
-        return orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+    if not layout.sharded:  # all Replicate / size-1 mesh: the plain path, on the local (= full) tensor
+        if replica_id is not None:
+            return orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+        sh = orig(tensor._local_tensor, key, tp_axis, (0, 0, layout.replica), prepend_offsets, **kwargs)
+        setattr(sh, REPLICA_ATTR, layout.replica)
+        return sh
     tp_rank, tp_size = _groups(kwargs)
     ours = replica_id is None
     if ours:
@@ -233,8 +240,13 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
     if not _takes_dtensor_branch(HELPER, tensor):
         return orig(tensor, key, prepend_offsets, replica_id, **kwargs)
     layout = dtensor_layout(tensor, key)
-    if not layout.sharded:  # all Replicate: never materialise, the local tensor is the full one
-        return orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
+    if not layout.sharded:  # all Replicate / size-1 mesh: never materialise, the local tensor is the full one
+        if replica_id is not None:
+            return orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
+        tp_rank, _ = _groups(dict(kwargs))
+        sh = orig(tensor._local_tensor, key, prepend_offsets, (0, tp_rank, layout.replica), **kwargs)
+        setattr(sh, REPLICA_ATTR, layout.replica)
+        return sh
     tp_rank, _ = _groups(kwargs)
     ours = replica_id is None
     if ours:

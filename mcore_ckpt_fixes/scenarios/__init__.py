@@ -285,6 +285,20 @@ SCENARIOS += (
         doc="dense MLP under HSDP (2 replicate x 2 shard), loaded back in place and into the unsharded layer",
     ),
 )
+# ep2_helpers, unpatched: dense-DP offsets (global (2, 8, 3), rank 1 at (1, 4, 0)) for every case;
+# with the placement half of the fix only, rank 1 was a non-main replica (dense DP rank 1), so
+# expert 1 had no writer: the same validation error.
+_DTP_HELPER_KEYS = ", ".join(sorted(("expert_make_sharded_replicate", "expert_make_sharded_shard0",
+                                     "expert_make_tp_sharded_replicate", "expert_make_tp_sharded_shard0")))
+SCENARIOS += (
+    Scenario(
+        "dtensor-placement", "ep2_helpers", f"{_DTP}:ep2_helpers", 2,
+        Bug.raises("validate", f"CheckpointingException: Invalid access pattern for {_DTP_HELPER_KEYS}"),
+        prepare=f"{_DTP}:prepare", devices=("cpu",), timeout=150,
+        doc="EP=2 on 2 ranks (expert DP 1): expert DTensors Shard(0)/Replicate on the size-1 expert-DP mesh, "
+            "both helpers called with the dense DP group",
+    ),
+)
 
 
 _EK = "mcore_ckpt_fixes.scenarios.expert_keys"

@@ -339,3 +339,64 @@ def tp_fsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: st
         return fully_shard_like_megatron(mlp, mesh)
 
     return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp})
+
+
+# -- the seed case as a user's own script writes it ------------------------------------------------
+
+# (parameter name = checkpoint key, Megatron helper, placement on the size-1 expert-DP mesh)
+HELPER_CASES = (
+    ("expert_make_sharded_replicate", "make_sharded_tensor_for_checkpoint", "replicate"),
+    ("expert_make_sharded_shard0", "make_sharded_tensor_for_checkpoint", "shard0"),
+    ("expert_make_tp_sharded_replicate", "make_tp_sharded_tensor_for_checkpoint", "replicate"),
+    ("expert_make_tp_sharded_shard0", "make_tp_sharded_tensor_for_checkpoint", "shard0"),
+)
+
+
+class _ExpertsThroughHelpers(torch.nn.Module):
+    """One expert weight per EP rank per case, a DTensor on this rank's size-1 expert-DP mesh
+    (tagged as Megatron's FSDP2 wrapper tags its parameters), described by calling Megatron's
+    helpers directly with the expert's global index prepended and the *dense* DP group passed in."""
+
+    def __init__(self, mesh, ep_rank, dense_group, seed):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        super().__init__()
+        self.ep_rank, self.dense_group = ep_rank, dense_group
+        for name, _, place in HELPER_CASES:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/expert{ep_rank}/{name}".encode()))
+            placement = Shard(0) if place == "shard0" else Replicate()
+            dt = DTensor.from_local(torch.randn(4, 3, generator=g), mesh, [placement], run_check=False)
+            param = torch.nn.Parameter(dt, requires_grad=False)
+            param.is_torch_fsdp2_param = True
+            self.register_parameter(name, param)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        import sys
+
+        utils = sys.modules["megatron.core.utils"]  # the binding the fix replaces
+        expert = ((0, self.ep_rank, 2),)
+        out = {}
+        for name, helper, _ in HELPER_CASES:
+            param = getattr(self, name)
+            if helper == "make_tp_sharded_tensor_for_checkpoint":
+                out[name] = utils.make_tp_sharded_tensor_for_checkpoint(
+                    param, name, tp_axis=0, prepend_offsets=expert, dp_cp_group=self.dense_group)
+            else:
+                out[name] = utils.make_sharded_tensor_for_checkpoint(
+                    param, name, prepend_offsets=expert, dp_cp_group=self.dense_group)
+        return out
+
+
+def ep2_helpers(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """EP=2 on 2 ranks (expert DP 1): each rank's expert weights through both helpers, Shard(0) and
+    Replicate on the size-1 expert-DP mesh, the dense DP group (size 2) handed in; dist_checkpointing."""
+    assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
+    assert world_size == 2
+    pgs, _, _ = _pgs(tp=1, ep=2)
+    expert_mesh, ep_rank = _mesh(pgs.expt_dp), pgs.ep.rank()
+    assert expert_mesh.size() == 1 and pgs.dp_cp.size() == 2
+
+    def build(seed):
+        return _ExpertsThroughHelpers(expert_mesh, ep_rank, pgs.dp_cp, seed)
+
+    return _round_trip(build, patched, ckpt_dir, None)

@@ -20,8 +20,12 @@ SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXPERT_KEYS = [f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight")]
 
 
+HELPER_KEYS = sorted(name for name, _, _ in __import__("mcore_ckpt_fixes.scenarios.dtensor_placement", fromlist=["x"]).HELPER_CASES)
+
+
 def test_registry_declares_every_round_trip():
     assert {n: (s.nproc, s.bug.kind, s.bug.phase, s.bug.error) for n, s in SCENARIOS.items()} == {
+        "ep2_helpers": (2, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(HELPER_KEYS)),
         "moe_ep": (4, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(EXPERT_KEYS)),
         "hsdp": (
             4,
@@ -105,6 +109,25 @@ def test_hsdp_patched_exact_in_place_and_unsharded(tmp_path):
     _exact(results)
     for r in results:
         assert sum(k.startswith("unsharded/") for k in r["max_delta"]) == 4
+
+
+def test_ep2_helpers_unpatched_save_rejected(tmp_path):
+    """EP=2 on two ranks, each rank's expert DTensor on its size-1 expert-DP mesh, the helpers handed
+    the dense DP group: dense-DP offsets (a (2, 8, 3) tensor, 2 x 2 chunks for 2 writers) for every case."""
+    scenario = SCENARIOS["ep2_helpers"]
+    results = _run(scenario.func, 2, False, tmp_path)
+    for rank, r in enumerate(results):
+        assert (r["phase"], r["error"]) == (scenario.bug.phase, scenario.bug.error), (rank, r["phase"], r["error"])
+        # Megatron's message: the dense group's 2 chunks of rows per expert where each rank holds one.
+        assert "global_shape=(2, 8, 3)" in r["raw_error"] and "axis_fragmentations=(2, 2, 1)" in r["raw_error"], r["raw_error"][:800]
+    assert scenario.bug.seen_in(results)
+
+
+def test_ep2_helpers_patched_every_rank_loads_its_own_expert(tmp_path):
+    results = _run(SCENARIOS["ep2_helpers"].func, 2, True, tmp_path)
+    _exact(results)
+    for r in results:
+        assert sorted(r["max_delta"]) == HELPER_KEYS
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
@@ -194,7 +217,33 @@ def test_all_replicate_takes_the_plain_path_without_gathering(monkeypatch):
     sh = mu.make_sharded_tensor_for_checkpoint(dt, "r", tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
     want = dp.original(mu, dp.HELPER)(dt._local_tensor, "r", tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
     assert sh.data is dt._local_tensor
-    assert (sh.global_shape, sh.global_offset, sh.replica_id) == (want.global_shape, want.global_offset, want.replica_id)
+    assert (sh.global_shape, sh.global_offset) == (want.global_shape, want.global_offset)
+    # The replica index is the rank's coordinate on the DTensor's own mesh (1 here), not the dense group's.
+    assert sh.replica_id == (0, 0, 1) and getattr(sh, dp.REPLICA_ATTR) == 1
+
+
+@pytest.mark.parametrize("placement", ["shard0", "replicate"])
+@pytest.mark.parametrize("helper", [dp.TP_HELPER, dp.HELPER])
+def test_size1_mesh_is_the_main_replica_whatever_dense_group(helper, placement, monkeypatch):
+    """The seed case at EP=2 on two ranks: an expert DTensor on this rank's size-1 expert-DP mesh is
+    its only copy, so it is the main replica even though the dense DP group says rank 1 of 2."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import megatron.core.utils as mu
+
+    dt = _dt((4, 3), (1,), (0,), [Shard(0) if placement == "shard0" else Replicate()], (4, 3))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    groups = dict(tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
+    if helper == dp.TP_HELPER:
+        sh = mu.make_tp_sharded_tensor_for_checkpoint(dt, "e", 0, prepend_offsets=((0, 1, 2),), **groups)
+    else:
+        sh = mu.make_sharded_tensor_for_checkpoint(dt, "e", prepend_offsets=((0, 1, 2),), **groups)
+    assert (sh.global_shape, sh.global_offset, sh.replica_id) == ((2, 4, 3), (1, 0, 0), (0, 0, 0))
+    assert sh.data is dt._local_tensor
+    # A replica id the caller passes is kept as given.
+    if helper == dp.HELPER:
+        sh = mu.make_sharded_tensor_for_checkpoint(dt, "e", prepend_offsets=((0, 1, 2),), replica_id=(0, 0, 5), **groups)
+        assert sh.replica_id == (0, 0, 5)
 
 
 def test_bad_placement_is_one_clear_line():

@@ -5,7 +5,8 @@ The edits mirror mcore_ckpt_fixes/fixes/dtensor_placement.py (the monkeypatch) i
 * megatron/core/utils.py: a DTensor the release's helper treats as one (every DTensor up to 0.18;
   on 0.19 those tagged ``is_torch_fsdp2_param``) is described from its own mesh and placements by
   ``_dtensor_shard_for_checkpoint`` before the release's dense-DP branch is reached; an
-  all-Replicate DTensor continues on the plain path with its local tensor;
+  all-Replicate DTensor (or one on a size-1 mesh) continues on the plain path with its local tensor
+  and the replica index its own mesh gives, not the dense DP group's;
 * megatron/core/transformer/moe/experts.py: SequentialMLP keeps the replica index of those shards
   (tagged ``is_torch_fsdp2_param``) instead of overwriting it with the expert-DP rank.
 
@@ -32,7 +33,9 @@ HELPER = '''def _dtensor_shard_for_checkpoint(
     Shard(d) on a mesh dim cuts the current extent of dim d into torch chunks (ceil(n / mesh
     size) each, mesh dims in order); Replicate dims give the DP replica index; TP (outside the
     DTensor) is merged on ``tp_axis`` (None: not TP-sharded). Uneven shards get an irregular grid.
-    Returns None for a DTensor that is not sharded (the caller takes the plain path).
+    Returns (ShardedTensor, replica index); the ShardedTensor is None for a DTensor that is not
+    sharded (the caller takes the plain path with that replica index: the DTensor's mesh holds
+    every copy of its data, so on a size-1 mesh this rank is the main replica).
     """
     from torch.distributed.tensor import Replicate
 
@@ -72,7 +75,7 @@ HELPER = '''def _dtensor_shard_for_checkpoint(
             "accepted: torch's Shard chunking (ceil(n/mesh) per shard)"
         )
     if not sharded:
-        return None
+        return None, replica
     if tp_axis is not None and tp_size > 1:
         # TP outside, the DTensor inside the TP-local tensor.
         offset[tp_axis] += tp_rank * global_shape[tp_axis]
@@ -119,7 +122,7 @@ HELPER = '''def _dtensor_shard_for_checkpoint(
         )
     # Its replica index comes from its mesh: SequentialMLP must not overwrite it.
     sh_ten.is_torch_fsdp2_param = True
-    return sh_ten
+    return sh_ten, replica
 
 
 '''
@@ -132,10 +135,11 @@ def _branch(tag, call):
     return (
         f"\n    if {cond}:\n"
         "        # Offsets, global shape and replica id from the DTensor's own mesh and placements.\n"
-        f"        sh_ten = _dtensor_shard_for_checkpoint({call})\n"
+        f"        sh_ten, mesh_replica_id = _dtensor_shard_for_checkpoint({call})\n"
         "        if sh_ten is not None:\n"
         "            return sh_ten\n"
-        "        tensor = tensor._local_tensor  # not sharded: the plain path, nothing gathered\n"
+        "        # Not sharded: the plain path, nothing gathered; a replica only across its own mesh.\n"
+        "        tensor, dp_replica_id = tensor._local_tensor, mesh_replica_id\n"
     )
 
 
