@@ -123,7 +123,11 @@ def _collect(result_paths, alive, timeout):
     results = []
     for rank, path in enumerate(result_paths):
         if rank in alive:
-            results.append(RankResult(rank, False, error=f"rank {rank} did not finish within {timeout:.0f} s (killed)"))
+            error = f"rank {rank} did not finish within {timeout:.0f} s (killed)"
+            stack = _read_stack(path + ".stack")
+            if stack:
+                error += f"; where it waited, just before the deadline:\n{stack}"
+            results.append(RankResult(rank, False, error=error))
             continue
         try:
             with open(path, "rb") as f:
@@ -133,6 +137,16 @@ def _collect(result_paths, alive, timeout):
             continue
         results.append(RankResult(rank, status == "ok", payload if status == "ok" else None, None if status == "ok" else payload))
     return results
+
+
+def _read_stack(path: str, limit: int = 4000) -> str:
+    """The stack dump a hung rank wrote before the deadline (worker.py): its first ``limit`` characters,
+    the innermost frames (faulthandler writes the most recent call first)."""
+    try:
+        with open(path) as f:
+            return f.read()[:limit].strip()
+    except OSError:
+        return ""
 
 
 def _wait_pids(pids: List[int], timeout: float) -> set:

@@ -17,7 +17,28 @@ def _write(path: str, status: str, payload) -> None:
     os.replace(tmp, path)  # the parent never reads half a result
 
 
+def _arm_stack_dump(job: dict, result_path: str):
+    """Shortly before the world's deadline, write every thread's stack to ``<result>.stack``: when a
+    rank hangs in a collective the parent kills it, and this says where it waited."""
+    import faulthandler
+
+    f = open(result_path + ".stack", "w")
+    faulthandler.dump_traceback_later(max(1.0, float(job["timeout"]) - 3.0), exit=False, file=f)
+    return f
+
+
 def run_rank(job: dict, rank: int, result_path: str) -> int:
+    import faulthandler
+
+    stack_file = _arm_stack_dump(job, result_path)
+    try:
+        return _run_rank(job, rank, result_path)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        stack_file.close()
+
+
+def _run_rank(job: dict, rank: int, result_path: str) -> int:
     try:
         os.environ.update(job["env"])
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["nproc"]))

@@ -29,6 +29,8 @@ def test_hang_is_killed_at_the_deadline():
     results = run_world("world_scenarios:hangs", 2, timeout=5)
     assert time.monotonic() - start < 30
     assert all(not r.ok and "did not finish within 5 s" in r.error for r in results)
+    # Each hung rank's stack, dumped just before the deadline, says where it waited.
+    assert all("where it waited" in r.error and "in hangs" in r.error for r in results), results[0].error
 
 
 def test_spawn_method_works_too():
