@@ -213,6 +213,14 @@ class _Engine:
                 for fix_id in ids:
                     self.modes[fix_id] = "off"
 
+    def changes(self, fix_id: str):
+        """What the fix changed in this process, in order: records with ``owner``, ``name``,
+        ``before`` (the original; the patching module's sentinel where it was only inherited)
+        and ``after`` (the replacement). Empty when it changed nothing."""
+        with self.lock:
+            patcher = self.patchers.get(fix_id)
+            return tuple(patcher.records) if patcher is not None else ()
+
     # -- report --------------------------------------------------------------------------------
     def fix_state(self, fix_id: str):
         fix = self.fixes[fix_id]

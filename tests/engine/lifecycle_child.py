@@ -1,0 +1,165 @@
+"""What tests/engine/test_lifecycle.py runs in fresh interpreters, one fix at a time.
+
+Generic over the fix: it learns what a fix changed from the engine's record of its changes, never
+from the fix's own code, so every discovered fix gets the same checks.
+"""
+
+import importlib
+import json
+import pickle
+import sys
+import types
+
+
+def _stand_ins():
+    # tp-group's targets import mamba_ssm on some releases; test infrastructure, as in conftest.py.
+    from mcore_ckpt_fixes.scenarios.tp_group import install_mamba_ssm_stand_in
+
+    install_mamba_ssm_stand_in()
+
+
+def import_targets(fix_id):
+    """Import every target module of the fix that this release has; the names of those imported."""
+    from mcore_ckpt_fixes.engine.registry import ENGINE
+
+    found = []
+    for target in ENGINE.discover()[fix_id].targets:
+        try:
+            importlib.import_module(target.module)
+        except ImportError:
+            continue  # e.g. megatron.training before 0.17, MIMO before 0.17
+        found.append(target.module)
+    return found
+
+
+def snapshot(modules):
+    """Every binding of the target modules and of the classes they define, by identity:
+    ``{"owner.attr": (owner, attr, object)}``."""
+    snap = {}
+    for name in modules:
+        module = sys.modules[name]
+        for attr, value in vars(module).items():
+            snap[f"{name}.{attr}"] = (module, attr, value)
+            if isinstance(value, type) and value.__module__ == name:
+                for cattr, cvalue in vars(value).items():
+                    snap[f"{name}.{attr}.{cattr}"] = (value, cattr, cvalue)
+    return snap
+
+
+_MISSING = object()
+
+
+def unchanged(before):
+    """The bindings that no longer hold the object they held in ``before``."""
+    return sorted(k for k, (owner, attr, value) in before.items() if vars(owner).get(attr, _MISSING) is not value)
+
+
+def changes(fix_id):
+    from mcore_ckpt_fixes.engine.registry import ENGINE
+
+    return ENGINE.changes(fix_id)
+
+
+def state(fix_id):
+    import mcore_ckpt_fixes
+
+    return next(r for r in mcore_ckpt_fixes.report() if r["id"] == fix_id)["state"]
+
+
+def megatron_first(fix_id):
+    """Megatron (and a user module's ``from x import f``) first; the fix off, then on, twice, after a
+    reload; every change a marked replacement in place, one layer, picklable; revert exact."""
+    from mcore_ckpt_fixes.engine.patching import _MISSING as INHERITED
+    from mcore_ckpt_fixes.engine.patching import is_replacement, original
+
+    _stand_ins()
+    modules = import_targets(fix_id)
+    before = snapshot(modules)
+    # A user's module that bound every function of the target modules by name before the fix.
+    user = types.ModuleType("user_module_of_the_lifecycle_test")
+    bound = {}
+    for owner, attr, value in before.values():
+        if isinstance(owner, types.ModuleType) and isinstance(value, types.FunctionType):
+            bound[(owner.__name__, attr)] = f"b{len(bound)}"
+            setattr(user, bound[(owner.__name__, attr)], value)
+    sys.modules[user.__name__] = user
+
+    import mcore_ckpt_fixes  # the environment switches this fix off
+
+    assert state(fix_id) == "disabled", state(fix_id)
+    assert unchanged(before) == [], ("flag off changed Megatron", unchanged(before))
+    flags = {"MCORE_CKPT_FIXES": fix_id}
+    mcore_ckpt_fixes.apply(flags)
+    first = [(r.owner, r.name, r.before, r.after) for r in changes(fix_id)]
+    for owner, name, old, new in first:
+        assert vars(owner).get(name) is new and is_replacement(new), (owner, name)
+        assert not is_replacement(old), ("a second layer", owner, name)
+        if old is not INHERITED:
+            assert original(owner, name) is old, ("original() does not reach the original", owner, name)
+        if isinstance(new, types.FunctionType):
+            assert pickle.loads(pickle.dumps(new)) is new, ("not picklable by reference", name)
+        key = (getattr(owner, "__name__", None), name)
+        # A function replaced where it is defined is replaced in every module that bound it by
+        # name; a fix may also replace one module's binding of a function defined elsewhere only.
+        if key in bound and getattr(old, "__module__", None) == key[0]:
+            assert getattr(user, bound[key]) is new, ("from-import binding not rebound", key)
+    mcore_ckpt_fixes.apply(flags)
+    importlib.reload(mcore_ckpt_fixes)
+    mcore_ckpt_fixes.apply(flags)
+    again = [(r.owner, r.name, r.after) for r in changes(fix_id)]
+    assert [(o, n, a) for o, n, _, a in first] == again, "apply twice + reload changed what is in place"
+    for owner, name, _, new in first:
+        assert vars(owner).get(name) is new, ("replaced again", owner, name)
+    applied, changed = state(fix_id), in_place(fix_id, modules)
+    mcore_ckpt_fixes.revert()
+    assert unchanged(before) == [], ("revert left changes", unchanged(before))
+    for key, alias in bound.items():
+        assert getattr(user, alias) is before[".".join(key)][2], ("from-import binding not restored", key)
+    return {"state": applied, "modules": modules, "changed": changed}
+
+
+def in_place(fix_id, modules):
+    """Every binding in the target modules (and the classes they define) that holds one of this
+    fix's replacements: what the fix changed, the same whether the bindings were rebound (Megatron
+    first) or bound the replacement at import (fix first)."""
+    from mcore_ckpt_fixes.engine.patching import MARK
+
+    found = set()
+    for owner, attr, value in snapshot(modules).values():
+        if getattr(value, MARK, None) == fix_id:
+            where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
+            found.add(f"{where}.{attr} = {value.__module__}.{value.__qualname__}")
+    return sorted(found)
+
+
+def fix_first(fix_id):
+    """The fix first (nothing heavy imported), Megatron after: the hooks apply it; a spawn child
+    (as Megatron's async checkpoint writer starts) sees the same state and the same changes."""
+    import mcore_ckpt_fixes
+
+    assert "torch" not in sys.modules and "megatron" not in sys.modules
+    assert state(fix_id) in ("pending", "not-applicable"), state(fix_id)
+    _stand_ins()
+    modules = import_targets(fix_id)
+    mine = {"state": state(fix_id), "modules": modules, "changed": in_place(fix_id, modules)}
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        child = pool.apply(spawn_child, (fix_id,))
+    return {"parent": mine, "spawn": child}
+
+
+def spawn_child(fix_id):
+    """In a spawn child: importing this module's parent package path runs nothing of ours; the
+    fix applies when the child imports mcore_ckpt_fixes and the target modules, as a worker does."""
+    import mcore_ckpt_fixes  # noqa: F401
+
+    _stand_ins()
+    modules = import_targets(fix_id)
+    return {"state": state(fix_id), "modules": modules, "changed": in_place(fix_id, modules)}
+
+
+if __name__ == "__main__":
+    mode, fix_id = sys.argv[1:3]
+    out = megatron_first(fix_id) if mode == "megatron-first" else fix_first(fix_id)
+    print("RESULT " + json.dumps(out))
