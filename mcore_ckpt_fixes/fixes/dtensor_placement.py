@@ -41,7 +41,7 @@ import sys
 import types
 
 from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, mark, original
+from ..engine.patching import Patcher, is_replacement, mark, original
 
 ID = "dtensor-placement"
 UTILS = "megatron.core.utils"
@@ -55,6 +55,8 @@ FSDP2_TAG = "is_torch_fsdp2_param"  # Megatron's own marker (its FSDP2 wrapper, 
 
 # helper name -> True when the release's helper only takes its DTensor branch for tagged DTensors.
 _TAG_REQUIRED: dict = {}
+# helper name -> True when the release's helper takes tp_group / dp_cp_group (0.16+).
+_TAKES_GROUPS: dict = {}
 
 
 class DTensorPlacementError(ValueError):
@@ -137,11 +139,21 @@ def _takes_dtensor_branch(helper: str, tensor) -> bool:
     return not _TAG_REQUIRED.get(helper, False) or hasattr(tensor, FSDP2_TAG)
 
 
+def takes_groups(helper) -> bool:
+    """Does the release's helper take its groups as arguments (0.16+: ``tp_group`` / ``dp_cp_group``
+    keywords) rather than reading ``parallel_state`` (0.12-0.15)?"""
+    return "dp_cp_group" in helper.__code__.co_consts
+
+
 def _groups(kwargs):
-    """Pop the groups as the release's helpers do (fallback to parallel_state when both are None)."""
+    """(tp_rank, tp_size) as the release's helpers find them: the groups popped from kwargs, with a
+    fallback to parallel_state when both are None; 0.12-0.15 read parallel_state only."""
     utils = sys.modules[UTILS]
     tp_group = kwargs.pop("tp_group", None)
     dp_cp_group = kwargs.pop("dp_cp_group", None)
+    if not _TAKES_GROUPS.get(TP_HELPER, True):
+        ps = utils.parallel_state
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     if tp_group is None and dp_cp_group is None:
         tp_group = utils.parallel_state.get_tensor_model_parallel_group()
     return utils.get_pg_rank(tp_group), utils.get_pg_size(tp_group)
@@ -284,6 +296,55 @@ class _Group:
         return self._rank
 
 
+class _ParallelState:
+    """Stands in for ``megatron.core.parallel_state`` in a probe of a release whose helpers read it
+    (0.12-0.15): fixed (rank, size) per group, nothing initialised or communicated."""
+
+    def __init__(self, tp=(0, 1), dp=(3, 4), ep=(0, 1), edp=(1, 2)):
+        self._g = {"tp": tp, "dp": dp, "ep": ep, "edp": edp}
+
+    def _rank(self, g):
+        return lambda *a, **k: self._g[g][0]
+
+    def _size(self, g):
+        return lambda *a, **k: self._g[g][1]
+
+    def _group(self, g):
+        return lambda *a, **k: _Group(self._g[g][1], self._g[g][0])
+
+    def __getattr__(self, name):
+        for g, word in (("edp", "expert_data_parallel"), ("ep", "expert_model_parallel"),
+                        ("tp", "tensor_model_parallel"), ("dp", "data_parallel")):
+            if f"get_{word}_" in name:
+                kind = "rank" if name.endswith("_rank") else "size" if name.endswith("world_size") else "group"
+                return getattr(self, f"_{kind}")(g)
+        raise AttributeError(name)
+
+
+class _parallel_state_as:
+    """``with _parallel_state_as(module, stand_in):`` the module's ``parallel_state`` global is the
+    stand-in for the duration (the release's functions look it up at call time)."""
+
+    def __init__(self, module, stand_in):
+        self.module, self.stand_in = module, stand_in
+
+    def __enter__(self):
+        self.saved = self.module.__dict__.get("parallel_state")
+        self.module.parallel_state = self.stand_in
+
+    def __exit__(self, *exc):
+        self.module.parallel_state = self.saved
+
+
+def _call_helper(module, fn, tensor, tp=(0, 1), dp=(3, 4)):
+    """``fn(tensor, "probe")`` with this rank at ``tp`` / ``dp`` (rank, size), however the release's
+    helpers find their groups: as arguments (0.16+) or from parallel_state (0.12-0.15)."""
+    if takes_groups(original(module, fn.__name__) if is_replacement(fn) else fn):
+        return fn(tensor, "probe", tp_group=_Group(tp[1], tp[0]), dp_cp_group=_Group(dp[1], dp[0]))
+    with _parallel_state_as(module, _ParallelState(tp=tp, dp=dp)):
+        return fn(tensor, "probe")
+
+
 def probe_dtensor(tag=True):
     """Shard 1 of a (4, 3) tensor Shard(0) over a 2-rank mesh: rows 2-3. A real DeviceMesh built
     without process groups (``_init_backend=False``): nothing is initialised or communicated."""
@@ -307,13 +368,12 @@ def probe_utils(module: types.ModuleType):
         return None, f"megatron.core.utils lacks {TP_HELPER} or {HELPER}"
     if not getattr(module, "HAVE_DTENSOR", True):
         return None, "this torch has no DTensor"
-    # dp_cp_group claims rank 3 of 4 (what a dense DP group around a 2-rank expert mesh says).
-    groups = dict(tp_group=_Group(1, 0), dp_cp_group=_Group(4, 3))
+    # The dense DP group says rank 3 of 4 (what a dense DP group around a 2-rank expert mesh says).
     wrong = []
-    tp_sh = module.__dict__[TP_HELPER](probe_dtensor(), "probe", 0, **groups)
+    tp_sh = _call_helper(module, module.__dict__[TP_HELPER], probe_dtensor())
     if not _described_right(tp_sh):
         wrong.append(f"{TP_HELPER} gives global {tuple(tp_sh.global_shape)} offset {tuple(tp_sh.global_offset)}")
-    sh = module.__dict__[HELPER](probe_dtensor(), "probe", **groups)
+    sh = _call_helper(module, module.__dict__[HELPER], probe_dtensor())
     if not _described_right(sh):
         wrong.append(f"{HELPER} gives global {tuple(sh.global_shape)} offset {tuple(sh.global_offset)}")
     if wrong:
@@ -323,7 +383,7 @@ def probe_utils(module: types.ModuleType):
 
 def _tag_required(module, name) -> bool:
     """Does the release's helper skip its DTensor branch for an untagged DTensor? (0.19 does.)"""
-    sh = original(module, name)(probe_dtensor(tag=False), "probe", tp_group=_Group(1, 0), dp_cp_group=_Group(1, 0))
+    sh = _call_helper(module, original(module, name), probe_dtensor(tag=False), dp=(0, 1))
     return _is_dtensor(sh.data)
 
 
@@ -342,7 +402,13 @@ def probe_sequential_mlp(module: types.ModuleType):
     stub = torch.nn.Module()
     stub.local_experts = torch.nn.ModuleList([Expert()])
     stub.num_local_experts, stub.ep_group, stub.dp_group = 1, _Group(1, 0), _Group(2, 1)
-    out = module.SequentialMLP.sharded_state_dict(stub, "", (), {"dp_cp_group": _Group(2, 1)})
+    # 0.13-0.15 wrap it in expert_dist_ckpt_decorator, which swaps parallel_state's TP group for the
+    # expert one (an initialised world only): call what it wraps. 0.12 reads the expert ranks from
+    # parallel_state; later releases from the module's groups.
+    fn = module.SequentialMLP.sharded_state_dict
+    fn = getattr(fn, "__wrapped__", fn)
+    with _parallel_state_as(module, _ParallelState(ep=(0, 1), edp=(1, 2))):
+        out = fn(stub, "", (), {"dp_cp_group": _Group(2, 1)})
     (sh,) = out.values()
     if sh.replica_id[-1] == 0:
         return False, "SequentialMLP keeps the DP replica index of DTensor-described expert shards"
@@ -354,6 +420,7 @@ def probe_sequential_mlp(module: types.ModuleType):
 
 def apply_utils(module: types.ModuleType, patcher: Patcher) -> None:
     for name in (TP_HELPER, HELPER):
+        _TAKES_GROUPS[name] = takes_groups(original(module, name))
         _TAG_REQUIRED[name] = _tag_required(module, name)
     patcher.replace_function(module, TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
     patcher.replace_function(module, HELPER, make_sharded_tensor_for_checkpoint)

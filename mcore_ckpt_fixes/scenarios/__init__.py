@@ -85,10 +85,11 @@ class Scenario:
     so each world forks warm). ``nproc``: the world size the scenario is written for.
     """
 
-    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc", "requires")
+    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc", "requires",
+                 "applicable")
 
     def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc="",
-                 requires=()):
+                 requires=(), applicable=None):
         self.fix_id = fix_id
         self.name = name
         self.func = func
@@ -99,10 +100,12 @@ class Scenario:
         self.timeout = timeout
         self.doc = doc
         self.requires = tuple(requires)
+        self.applicable = applicable  # "module:function" -> None, or why this release cannot run it
 
     def absent(self):
         """The first of ``requires`` (``"module:attribute"`` or ``"module:Class.attribute"``: the Megatron feature the scenario
-        exercises) that this installation lacks, as a sentence; None when all are there."""
+        exercises) that this installation lacks, as a sentence, or what the ``applicable`` check says
+        (an API the scenario needs that differs in this release); None when it can run."""
         for ref in self.requires:
             module_name, _, attr = ref.partition(":")
             try:
@@ -114,6 +117,8 @@ class Scenario:
                 if not hasattr(owner, part):
                     return f"{module_name} has no {attr}"
                 owner = getattr(owner, part)
+        if self.applicable is not None:
+            return resolve(self.applicable)()
         return None
 
     def bug_for(self, version):
@@ -151,23 +156,24 @@ _TP = "mcore_ckpt_fixes.scenarios.tp_group"
 _TP_GROUP_NOT_INIT = "AssertionError: tensor model parallel group is not initialized"
 _DP_CP_NOT_INIT = "AssertionError: data parallel group with context parallel combined is not initialized"
 
+_TP_APPLICABLE = f"{_TP}:explicit_group_checkpointing"
 SCENARIOS = (
     Scenario(
         "tp-group", "mamba_stack", f"{_TP}:mamba_stack", 2,
         Bug.raises("sharded_state_dict", _TP_GROUP_NOT_INIT),
-        prepare=f"{_TP}:prepare",
+        prepare=f"{_TP}:prepare", applicable=_TP_APPLICABLE,
         doc="two-layer MambaStack built from a ProcessGroupCollection (TP=2, no parallel_state)",
     ),
     Scenario(
         "tp-group", "mamba_mixer", f"{_TP}:mamba_mixer", 2,
         Bug.raises("sharded_state_dict", _DP_CP_NOT_INIT),
-        prepare=f"{_TP}:prepare",
+        prepare=f"{_TP}:prepare", applicable=_TP_APPLICABLE,
         doc="a lone MambaMixer with its gated RMSNorm (TP=2, no parallel_state)",
     ),
     Scenario(
         "tp-group", "radio_vit", f"{_TP}:radio_vit", 2,
         Bug.raises("sharded_state_dict", _TP_GROUP_NOT_INIT),
-        prepare=f"{_TP}:prepare",
+        prepare=f"{_TP}:prepare", applicable=_TP_APPLICABLE,
         doc="a small RADIOViTModel (TP=2, no parallel_state)",
     ),
 )
@@ -266,11 +272,16 @@ _DTP = "mcore_ckpt_fixes.scenarios.dtensor_placement"
 # is fine. hsdp: saves and round-trips in its own layout, silently writing 4 chunks of a
 # 2-chunk tensor (global shape doubled); any other layout (here: the unsharded layer) then fails.
 _DTP_EXPERT_KEYS = ", ".join(f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight"))
+# Up to 0.14 MoE layers have no biases ("Bias is not supported for MoE"): the weights only.
+_DTP_EXPERT_WEIGHTS = ", ".join(f"experts.experts.linear_fc{i}.weight" for i in (1, 2))
 DTP_TP_FSDP = f"{_DTP}:tp_fsdp"  # world 2, TP=2 + FSDP2: upstream handles it; exact both ways (tests only)
 SCENARIOS += (
     Scenario(
         "dtensor-placement", "moe_ep", f"{_DTP}:moe_ep", 4,
-        Bug.raises("validate", f"CheckpointingException: Invalid access pattern for {_DTP_EXPERT_KEYS}"),
+        {
+            "<0.15": Bug.raises("validate", f"CheckpointingException: Invalid access pattern for {_DTP_EXPERT_WEIGHTS}"),
+            ">=0.15": Bug.raises("validate", f"CheckpointingException: Invalid access pattern for {_DTP_EXPERT_KEYS}"),
+        },
         prepare=f"{_DTP}:prepare", devices=("cpu",), timeout=180,
         doc="MoELayer, SequentialMLP experts FSDP2 over expert DP (EP=2, DP=4, expert DP=2), router over dense DP",
     ),
@@ -356,6 +367,7 @@ SCENARIOS += (
         ),
         prepare=f"{_HG}:prepare", devices=("cpu",), timeout=240,
         requires=("megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel",),
+        applicable=f"{_HG}:expert_meshes_exist",
         doc="Megatron-FSDP meshes for EP=2, HSDP, HSDP x EP=2 on 4 ranks; DCP round trip on each accepted one",
     ),
 )

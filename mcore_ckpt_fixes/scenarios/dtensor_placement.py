@@ -102,19 +102,29 @@ def _mesh(group):
 
 
 def _config(tp=1, **extra):
+    """Linear layers with biases; MoE layers without them up to 0.14, which refuses
+    ("Bias is not supported for MoE")."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=2,
-        tensor_model_parallel_size=tp,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        add_bias_linear=True,
-        **extra,
-    )
+    def make(bias):
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            ffn_hidden_size=FFN,
+            num_attention_heads=2,
+            tensor_model_parallel_size=tp,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            add_bias_linear=bias,
+            **extra,
+        )
+
+    try:
+        return make(True)
+    except AssertionError as exc:
+        if "Bias is not supported for MoE" not in str(exc):
+            raise
+        return make(False)
 
 
 # -- values, FSDP2 ---------------------------------------------------------------------------------
@@ -270,14 +280,22 @@ def moe_ep(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     assert world_size == 4
-    pgs, meshes, _ = _pgs(tp=1, ep=2)
     config = _config(num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN, expert_model_parallel_size=2)
     submodules = _submodules(get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp)
-    dense_mesh, expert_mesh = _mesh(pgs.dp_cp), _mesh(pgs.expt_dp)
-    ep_rank, n_local = pgs.ep.rank(), EXPERTS // 2
+    if helpers_read_parallel_state():  # 0.12-0.15: modules and helpers take their groups from parallel_state
+        ps = _initialize_parallel_state(tp=1, ep=2)
+        dense, expert_dp, ep_rank, layer_kwargs, metadata = (
+            ps.get_data_parallel_group(with_context_parallel=True), ps.get_expert_data_parallel_group(),
+            ps.get_expert_model_parallel_rank(), {}, None)
+    else:
+        pgs, _, _ = _pgs(tp=1, ep=2)
+        dense, expert_dp, ep_rank = pgs.dp_cp, pgs.expt_dp, pgs.ep.rank()
+        layer_kwargs, metadata = {"pg_collection": pgs}, {"dp_cp_group": pgs.dp_cp}
+    dense_mesh, expert_mesh = _mesh(dense), _mesh(expert_dp)
+    n_local = EXPERTS // 2
 
     def build(seed):
-        layer = MoELayer(config, submodules, pg_collection=pgs)
+        layer = MoELayer(config, submodules, **layer_kwargs)
         _fill(layer.router.named_parameters(), seed, lambda n, p: "router")
         for i, expert in enumerate(layer.experts.local_experts):
             _fill(expert.named_parameters(), seed, lambda n, p, e=ep_rank * n_local + i: f"expert{e}")
@@ -286,7 +304,7 @@ def moe_ep(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str
         # by fully_shard; Megatron's wrapper shards the root last as well).
         return fully_shard_like_megatron(layer, dense_mesh)
 
-    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp})
+    return _round_trip(build, patched, ckpt_dir, metadata)
 
 
 def _submodules(spec):
@@ -296,10 +314,12 @@ def _submodules(spec):
 
 
 def _mlp(config, pgs):
+    """A dense MLP; ``pgs`` None: its TP group from parallel_state (0.12-0.15)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.mlp import MLP
 
-    return MLP(config, _submodules(get_gpt_layer_local_spec().submodules.mlp), tp_group=pgs.tp)
+    kwargs = {} if pgs is None else {"tp_group": pgs.tp}
+    return MLP(config, _submodules(get_gpt_layer_local_spec().submodules.mlp), **kwargs)
 
 
 def hsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
@@ -308,7 +328,12 @@ def hsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str =
     from torch.distributed.device_mesh import init_device_mesh
 
     assert world_size == 4
-    pgs, _, _ = _pgs(tp=1, ep=1)
+    if helpers_read_parallel_state():
+        _initialize_parallel_state(tp=1, ep=1)
+        pgs, metadata = None, None
+    else:
+        pgs, _, _ = _pgs(tp=1, ep=1)
+        metadata = {"dp_cp_group": pgs.dp_cp}
     config = _config()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
@@ -321,24 +346,28 @@ def hsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str =
         return fully_shard_like_megatron(build_plain(seed), mesh)
 
     full = _local_tensors(build_plain(SAVE_SEED))
-    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp}, reference=(build_plain, full))
+    return _round_trip(build, patched, ckpt_dir, metadata, reference=(build_plain, full))
 
 
 def tp_fsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
     """A dense MLP with TP=2 and FSDP2 over the data-parallel mesh (size 1 in a world of 2)."""
     assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
     assert world_size == 2
-    pgs, _, _ = _pgs(tp=2, ep=1)
+    if helpers_read_parallel_state():
+        ps = _initialize_parallel_state(tp=2, ep=1)
+        pgs, dense, tp_rank, metadata = None, ps.get_data_parallel_group(with_context_parallel=True), ps.get_tensor_model_parallel_rank(), None
+    else:
+        pgs, _, _ = _pgs(tp=2, ep=1)
+        dense, tp_rank, metadata = pgs.dp_cp, pgs.tp.rank(), {"dp_cp_group": pgs.dp_cp}
     config = _config(tp=2)
-    mesh = _mesh(pgs.dp_cp)
-    tp_rank = pgs.tp.rank()
+    mesh = _mesh(dense)
 
     def build(seed):
         mlp = _mlp(config, pgs)
         _fill(mlp.named_parameters(), seed, lambda n, p: tp_rank if getattr(p, "tensor_model_parallel", False) else -1)
         return fully_shard_like_megatron(mlp, mesh)
 
-    return _round_trip(build, patched, ckpt_dir, {"dp_cp_group": pgs.dp_cp})
+    return _round_trip(build, patched, ckpt_dir, metadata)
 
 
 # -- the seed case as a user's own script writes it ------------------------------------------------
@@ -375,16 +404,35 @@ class _ExpertsThroughHelpers(torch.nn.Module):
 
         utils = sys.modules["megatron.core.utils"]  # the binding the fix replaces
         expert = ((0, self.ep_rank, 2),)
+        # 0.12-0.15 helpers take no groups: they read the same dense group from parallel_state.
+        groups = {} if self.dense_group is None else {"dp_cp_group": self.dense_group}
         out = {}
         for name, helper, _ in HELPER_CASES:
             param = getattr(self, name)
             if helper == "make_tp_sharded_tensor_for_checkpoint":
                 out[name] = utils.make_tp_sharded_tensor_for_checkpoint(
-                    param, name, tp_axis=0, prepend_offsets=expert, dp_cp_group=self.dense_group)
+                    param, name, tp_axis=0, prepend_offsets=expert, **groups)
             else:
-                out[name] = utils.make_sharded_tensor_for_checkpoint(
-                    param, name, prepend_offsets=expert, dp_cp_group=self.dense_group)
+                out[name] = utils.make_sharded_tensor_for_checkpoint(param, name, prepend_offsets=expert, **groups)
         return out
+
+
+def helpers_read_parallel_state() -> bool:
+    """0.12-0.15: Megatron's helpers take no group arguments; they read parallel_state."""
+    import megatron.core.utils as mu
+
+    from mcore_ckpt_fixes.engine.patching import original
+    from mcore_ckpt_fixes.fixes.dtensor_placement import TP_HELPER, takes_groups
+
+    return not takes_groups(original(mu, TP_HELPER))
+
+
+def _initialize_parallel_state(tp, ep):
+    """Megatron's own groups (default backend: gloo here), for releases whose modules read them."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    return parallel_state
 
 
 def ep2_helpers(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
@@ -392,11 +440,17 @@ def ep2_helpers(rank: int, world_size: int, ckpt_dir: str, patched: bool, device
     Replicate on the size-1 expert-DP mesh, the dense DP group (size 2) handed in; dist_checkpointing."""
     assert device == "cpu", "dtensor-placement scenarios run on CPU/gloo"
     assert world_size == 2
-    pgs, _, _ = _pgs(tp=1, ep=2)
-    expert_mesh, ep_rank = _mesh(pgs.expt_dp), pgs.ep.rank()
-    assert expert_mesh.size() == 1 and pgs.dp_cp.size() == 2
+    if helpers_read_parallel_state():
+        ps = _initialize_parallel_state(tp=1, ep=2)
+        expert_mesh, ep_rank, dense = _mesh(ps.get_expert_data_parallel_group()), ps.get_expert_model_parallel_rank(), None
+        assert ps.get_data_parallel_world_size() == 2
+    else:
+        pgs, _, _ = _pgs(tp=1, ep=2)
+        expert_mesh, ep_rank, dense = _mesh(pgs.expt_dp), pgs.ep.rank(), pgs.dp_cp
+        assert pgs.dp_cp.size() == 2
+    assert expert_mesh.size() == 1
 
     def build(seed):
-        return _ExpertsThroughHelpers(expert_mesh, ep_rank, pgs.dp_cp, seed)
+        return _ExpertsThroughHelpers(expert_mesh, ep_rank, dense, seed)
 
     return _round_trip(build, patched, ckpt_dir, None)

@@ -161,3 +161,15 @@ def configurations(rank, world_size, ckpt_dir, patched, device="cpu"):
     finally:
         ps.destroy_model_parallel()
     return result
+
+
+def expert_meshes_exist():
+    """None where Megatron-FSDP builds expert meshes (0.16+: ``FSDPDistributedIndex(expt_device_mesh=...)``),
+    else why the scenario cannot run here."""
+    import inspect
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
+
+    if "expt_device_mesh" in inspect.signature(FSDPDistributedIndex.__init__).parameters:
+        return None
+    return "Megatron-FSDP has no expert device mesh in this release (FSDPDistributedIndex takes no expt_device_mesh)"

@@ -362,3 +362,16 @@ def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
     pgs = _process_groups()
     build = _seeded(radio_factory(pgs, device), pgs)
     return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,), device)
+
+
+def explicit_group_checkpointing():
+    """None where Megatron's checkpoint helpers take process groups (0.16+), else why the scenarios
+    cannot run: up to 0.15 ``make_sharded_tensors_for_checkpoint`` reads parallel_state only, so a
+    model built from explicit process groups cannot be checkpointed at all (another gap than the
+    one tp-group closes, which is a missing ``tp_group`` on 0.16-0.18)."""
+    from megatron.core.transformer import utils
+
+    if "dp_cp_group" in utils.make_sharded_tensors_for_checkpoint.__code__.co_varnames:
+        return None
+    return ("make_sharded_tensors_for_checkpoint takes no process groups in this release: models built from "
+            "explicit process groups cannot be checkpointed here at all (tp-group fixes 0.16-0.18)")

@@ -23,8 +23,9 @@ EXPERT_KEYS = [f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bi
 HELPER_KEYS = sorted(name for name, _, _ in __import__("mcore_ckpt_fixes.scenarios.dtensor_placement", fromlist=["x"]).HELPER_CASES)
 
 
-def test_registry_declares_every_round_trip():
-    assert {n: (s.nproc, s.bug.kind, s.bug.phase, s.bug.error) for n, s in SCENARIOS.items()} == {
+def test_registry_declares_every_round_trip(mcore_version):
+    bugs = {n: s.bug_for(mcore_version) for n, s in SCENARIOS.items()}
+    assert {n: (s.nproc, bugs[n].kind, bugs[n].phase, bugs[n].error) for n, s in SCENARIOS.items()} == {
         "ep2_helpers": (2, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(HELPER_KEYS)),
         "moe_ep": (4, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(EXPERT_KEYS)),
         "hsdp": (
@@ -74,9 +75,9 @@ def test_status_applied(mcore_version):
 # -- round trips -------------------------------------------------------------------------------
 
 
-def test_moe_ep_unpatched_save_rejected(tmp_path):
+def test_moe_ep_unpatched_save_rejected(tmp_path, mcore_version):
     results = _run(SCENARIOS["moe_ep"].func, 4, False, tmp_path)
-    bug = SCENARIOS["moe_ep"].bug
+    bug = SCENARIOS["moe_ep"].bug_for(mcore_version)
     for rank, r in enumerate(results):
         assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
         # Megatron's own message: dense-DP offsets (4 chunks of an expert tensor that has 2).
@@ -95,7 +96,7 @@ def test_moe_ep_patched_exact(tmp_path):
 
 def test_hsdp_unpatched_silent_in_place_wrong_on_disk(tmp_path):
     results = _run(SCENARIOS["hsdp"].func, 4, False, tmp_path)
-    bug = SCENARIOS["hsdp"].bug
+    bug = SCENARIOS["hsdp"].bug_for(None)
     for rank, r in enumerate(results):
         assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
         # Same layout: each rank reads back what it wrote, so nothing looks wrong until another
