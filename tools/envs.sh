@@ -4,10 +4,12 @@
 # Layout, under $MCORE_CKPT_FIXES_ENVS (default ~/.cache/mcore-ckpt-fixes/envs, kept between runs):
 #   py3.11/            venv: torch 2.13.0 (CPU wheel on this machine) + test deps
 #   py3.12/            venv: torch from PyPI (runs on CPU) + test deps
+#   py3.11-torch2.6/   venv: torch 2.6 from PyPI, for 0.12.x's selftest (MCORE_CKPT_FIXES_SWEEP_TORCH=1, tools/sweep.sh)
 #   mcore-<release>/   megatron-core <release> installed --no-deps --target, put on PYTHONPATH
 # Sharing one interpreter venv between release lines keeps the 5.5 GB torch install to one per Python.
 #
-# Usage: tools/envs.sh [RELEASE ...]     (default: every release in tools/releases.txt)
+# Usage: tools/envs.sh [RELEASE ...]     (default: every release in tools/releases.txt; any release of
+#                                          tools/sweep-releases.txt may be named)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -15,8 +17,14 @@ ROOT=$PWD
 ENVS=${MCORE_CKPT_FIXES_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore-ckpt-fixes/envs}
 mkdir -p "$ENVS"
 
-python_for() {  # release -> python minor version it needs
-  awk -v r="$1" '$1==r {print $2}' tools/releases.txt
+python_for() {  # release -> python minor version it needs (the test matrix, else the sweep list)
+  awk -v r="$1" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt
+}
+
+venv_for() {  # release -> interpreter environment name (py3.11, py3.12, py3.11-torch2.6)
+  local v
+  v=$(awk -v r="$1" '$1==r && NF>=3 {print $3; exit}' tools/sweep-releases.txt)
+  if [ -n "$v" ] && [ "${MCORE_CKPT_FIXES_SWEEP_TORCH:-}" = 1 ]; then echo "$v"; else echo "py$(python_for "$1")"; fi
 }
 
 pyenv_python() {  # 3.11 -> interpreter path (pyenv's versions first: its shims may refuse to run)
@@ -32,8 +40,9 @@ pyenv_python() {  # 3.11 -> interpreter path (pyenv's versions first: its shims 
   echo "envs.sh: no Python $want found (pyenv or PATH)" >&2; exit 2
 }
 
-base_env() {  # python minor -> venv built once; re-synced only when the requirements change
-  local py=$1 dir="$ENVS/py$1"
+base_env() {  # venv name (py3.11, py3.12, py3.11-torch2.6) -> venv built once; re-synced when the requirements change
+  local name=$1 py=${1#py} dir="$ENVS/$1" torch_pin=""
+  case "$py" in *-torch*) torch_pin=${py#*-torch}; py=${py%%-torch*} ;; esac
   local stamp="$dir/.stamp-$(sha1sum tools/requirements-test.txt | cut -c1-12)"
   if [ -f "$stamp" ]; then return; fi
   if [ ! -x "$dir/bin/python" ]; then
@@ -50,20 +59,23 @@ base_env() {  # python minor -> venv built once; re-synced only when the require
   # PyPI's CUDA torch brings triton along; the CPU wheel does not, and 0.16's mamba_mixer imports it.
   local extra=()
   [ "$py" = "3.11" ] && torch_req="torch==2.13.0" && extra=(triton)
+  # An older torch for releases whose checkpoint writer needs it (PyPI's CUDA build; runs on CPU).
+  [ -n "$torch_pin" ] && torch_req="torch==$torch_pin.*" && extra=()
   "$dir/bin/python" -m pip install -q "$torch_req" "${extra[@]}" -r tools/requirements-test.txt
   rm -f "$dir"/.stamp-*
   touch "$stamp"
 }
 
 mcore_env() {  # release -> --target install of that megatron-core
-  local rel=$1 py dir="$ENVS/mcore-$1"
+  local rel=$1 py venv dir="$ENVS/mcore-$1"
   py=$(python_for "$rel")
-  [ -n "$py" ] || { echo "envs.sh: unknown release $rel (see tools/releases.txt)" >&2; exit 2; }
-  base_env "$py"
+  [ -n "$py" ] || { echo "envs.sh: unknown release $rel (see tools/releases.txt, tools/sweep-releases.txt)" >&2; exit 2; }
+  venv=$(venv_for "$rel")
+  base_env "$venv"
   if [ -f "$dir/.stamp" ]; then return; fi
   echo "envs.sh: installing megatron-core==$rel into $dir" >&2
   rm -rf "$dir"
-  "$ENVS/py$py/bin/python" -m pip install -q --no-deps --target "$dir" "megatron-core==$rel"
+  "$ENVS/$venv/bin/python" -m pip install -q --no-deps --target "$dir" "megatron-core==$rel"
   touch "$dir/.stamp"
 }
 

@@ -16,6 +16,7 @@ while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then shift; pytest_args=("$@"); break; fi
   releases+=("$1"); shift
 done
+explicit=${releases[*]:-}
 [ ${#releases[@]} -gt 0 ] || mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
 
 tools/envs.sh "${releases[@]}" || { echo "test.sh: building environments failed" >&2; exit 2; }
@@ -31,6 +32,14 @@ for rel in "${releases[@]}"; do
   echo "=== Megatron-Core $rel: exit $rc in $(( $(date +%s) - start )) s ==="
   [ $rc -eq 0 ] || failed+=("$rel")
 done
+# Every published release, quickly: each fix's state as measured (tools/expected-status.json), none
+# failed. Only with the whole matrix (no release named).
+if [ -z "$explicit" ] && [ ${#pytest_args[@]} -eq 0 ]; then
+  echo "=== status on every release (tools/status_check.py) ==="
+  start=$(date +%s)
+  "$ENVS/py3.12/bin/python" tools/status_check.py || failed+=("status-check")
+  echo "=== status check: $(( $(date +%s) - start )) s ==="
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "test.sh: FAILED on ${failed[*]}" >&2
   exit 1

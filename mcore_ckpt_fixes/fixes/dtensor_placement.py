@@ -352,7 +352,17 @@ def probe_dtensor(tag=True):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=1)
+    try:
+        mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=1)
+    except TypeError:  # older torch (2.6): no _rank; the mesh asks get_rank() for this rank's coordinate
+        import torch.distributed.device_mesh as dm
+
+        saved = dm.__dict__.get("get_rank")
+        dm.get_rank = lambda *args, **kwargs: 1
+        try:
+            mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False)
+        finally:
+            dm.get_rank = saved
     dt = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False)
     if tag:
         setattr(dt, FSDP2_TAG, True)
