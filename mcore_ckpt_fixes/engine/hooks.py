@@ -13,10 +13,31 @@ import threading
 
 _HOOKS = {}  # module name -> list of callbacks(module)
 _LOCK = threading.RLock()
+# Imports of these packages are tracked (depth below), so that work which cannot run while one of
+# their modules is half-initialised (a probe that builds a Megatron module whose import is still
+# running higher up the stack) waits until the outermost such import has finished.
+_TRACKED = ("megatron",)
+_DEPTH = threading.local()
+_SETTLED = []  # callbacks waiting for the tracked imports of this thread to finish
+
+
+def importing() -> bool:
+    """Is a tracked import (a Megatron module's body) still running in this thread?"""
+    return getattr(_DEPTH, "n", 0) > 0
+
+
+def when_settled(callback) -> None:
+    """Call ``callback()`` once no tracked import is running in this thread (at once if none is)."""
+    if not importing():
+        callback()
+        return
+    with _LOCK:
+        _SETTLED.append(callback)
 
 
 class _Loader:
-    """Delegates to the real loader and fires the hooks once the module has executed."""
+    """Delegates to the real loader, fires the hooks once the module has executed, and runs the
+    callbacks that wait for the outermost tracked import to finish."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -25,8 +46,18 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
-        fire(module.__name__, sys.modules.get(module.__name__, module))
+        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _DEPTH.n -= 1
+        if module.__name__ in _HOOKS:
+            fire(module.__name__, sys.modules.get(module.__name__, module))
+        if not importing():
+            with _LOCK:
+                waiting, _SETTLED[:] = list(_SETTLED), []
+            for cb in waiting:
+                cb()
 
     def __getattr__(self, name):  # get_source, is_package, ... for tools that ask the loader
         return getattr(self._loader, name)
@@ -34,7 +65,7 @@ class _Loader:
 
 class _Finder:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _HOOKS:
+        if fullname not in _HOOKS and fullname.partition(".")[0] not in _TRACKED:
             return None
         for finder in list(sys.meta_path):  # the finders that would have found it without us
             if finder is self or not hasattr(finder, "find_spec"):

@@ -144,21 +144,39 @@ class _Engine:
         if current is not None and current.state in ("applied", "not-needed", "not-applicable", "failed"):
             return  # decided already: apply twice leaves one layer
         mode = self.modes[fix.id]
-        if info.version is not None and info.version not in fix.specifiers and mode != "on":
+        outside = info.version is not None and info.version not in fix.specifiers
+        if outside and mode != "on" and info.source != "checkout":
             states[target.module] = TargetState(
                 "not-needed", f"Megatron-Core {info.version} is outside the affected range {fix.affected}"
             )
             return
+        # A Megatron-LM checkout's version string may name a release its code does not match (a dev
+        # tree of the next release, a pinned commit between releases): there the probe decides.
+        checkout_note = (
+            f" (checkout: its version {info.version} is outside the affected range {fix.affected}; decided by the probe)"
+            if outside and mode != "on" else ""
+        )
         try:
             verdict, why = target.probe(module)
         except Exception as exc:  # a probe must never break the user's import
+            from . import hooks
+
+            if hooks.importing() and not getattr(info, "retry", False):
+                # The target finished importing inside another Megatron module's import (a circular
+                # chain): what the probe builds may need that half-initialised module. Probe again
+                # once the outermost import has finished.
+                states[target.module] = TargetState(
+                    "pending", f"probe deferred until the running Megatron import finishes ({type(exc).__name__})"
+                )
+                hooks.when_settled(lambda: self._retry(fix, target, module))
+                return
             self._fail(fix, target, f"probe raised {type(exc).__name__}: {exc}")
             return
         if verdict is None:
             states[target.module] = TargetState("not-applicable", why)
             return
         if verdict is False:
-            states[target.module] = TargetState("not-needed", f"probe: {why}")
+            states[target.module] = TargetState("not-needed", f"probe: {why}{checkout_note}")
             return
         patcher = self.patchers.setdefault(fix.id, Patcher(fix.id))
         mark = len(patcher.records)
@@ -172,9 +190,21 @@ class _Engine:
             partial.revert()
             self._fail(fix, target, f"patch raised {type(exc).__name__}: {exc}")
             return
-        note = "" if info.version is None or info.version in fix.specifiers else " (forced on outside the affected range)"
+        note = checkout_note or ("" if not outside else " (forced on outside the affected range)")
         states[target.module] = TargetState("applied", f"{why}{note}")
         _log().info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
+
+    def _retry(self, fix: Fix, target: Target, module) -> None:
+        with self.lock:
+            if not self.active or self.modes.get(fix.id, "off") == "off":
+                return
+            states = self.targets.setdefault(fix.id, {})
+            if states.get(target.module) is not None and states[target.module].state != "pending":
+                return
+            states.pop(target.module, None)
+            info = _LazyInfo()
+            info.retry = True
+            self._apply_target(fix, target, module, info)
 
     def mark_unimportable(self, fix_id: str, module_name: str, reason: str) -> None:
         with self.lock:

@@ -234,3 +234,45 @@ print(heavy)
 """
     )
     assert out.strip() == "[]"
+
+
+def test_probe_of_a_target_imported_inside_a_circular_chain_waits_for_the_chain(tmp_path):
+    """Megatron-LM main: importing mamba_layer runs, deep inside, the import of a module whose own
+    import is still running higher up (optimizer -> fsdp_dtensor_checkpoint -> ... -> mamba_layer).
+    A probe that needs the half-initialised module must not fail: it runs again once the outermost
+    import has finished. Rebuilt here with a tracked package of two modules."""
+    pkg = tmp_path / "chainpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "outer.py").write_text("import chainpkg.target\nREADY = True\n")
+    (pkg / "target.py").write_text("def f():\n    return 'original'\n")
+    check_py(
+        f"""
+import sys
+sys.path.insert(0, {str(tmp_path)!r})
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.engine import hooks
+from mcore_ckpt_fixes.engine.fix import Fix, Target
+from mcore_ckpt_fixes.engine.patching import mark
+from mcore_ckpt_fixes.engine.registry import ENGINE
+hooks._TRACKED = hooks._TRACKED + ("chainpkg",)
+
+@mark("chain-probe")
+def fixed():
+    return "fixed"
+
+def probe(module):
+    from chainpkg.outer import READY  # ImportError while chainpkg.outer is still executing
+    return True, "needs chainpkg.outer"
+
+def apply(module, patcher):
+    patcher.replace_function(module, "f", fixed)
+
+ENGINE.register(Fix(id="chain-probe", summary="test", affected=">=0", targets=(Target("chainpkg.target", probe, apply),)))
+mcore_ckpt_fixes.apply()
+import chainpkg.outer
+row = {{r["id"]: r for r in mcore_ckpt_fixes.report()}}["chain-probe"]
+assert row["state"] == "applied", row
+assert sys.modules["chainpkg.target"].f() == "fixed"
+"""
+    )
