@@ -239,6 +239,16 @@ def _short(exc):
     return f"{type(exc).__name__}: {msg}"
 
 
+def _record_error(result, exc, phase):
+    """The round trip's first failure, on this rank: where, what, and the whole traceback."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    result["error"] = _short(exc)
+    result["error_detail"] = f"{type(exc).__name__}: {exc}"
+    result["phase"] = phase
+    result["traceback"] = traceback.format_exc()
+
+
 def _fix_state(patched):
     return fix_states(FIX_ID, (_MODULE,), patched, accept=ON + ("not-applicable",))
 
@@ -291,12 +301,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="
             bad = {k: d for k, d in result["global_max_delta"].items() if d != 0.0}
             assert not bad, f"saved components are not the TP-global ones: {bad}"
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        result["error"] = _short(exc)
-        result["error_detail"] = f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
+        _record_error(result, exc, phase)
     return result
 
 
@@ -550,12 +555,7 @@ def plain_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", layouts=
             assert not bad, f"{layout}: saved components are not the TP-global ones: {bad}"
             dist.barrier()
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        result["error"] = _short(exc)
-        result["error_detail"] = f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
+        _record_error(result, exc, phase)
     return result
 
 
