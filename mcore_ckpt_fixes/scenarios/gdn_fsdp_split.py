@@ -150,6 +150,15 @@ class _Wrapper(torch.nn.Module):
         self.module = inner
 
 
+def _model_around(gdn):
+    """``module.decoder.layers.0.self_attention`` = the GDN stand-in, as a wrapped GPT model names it."""
+    inner = torch.nn.Module()
+    inner.decoder = torch.nn.Module()
+    inner.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    inner.decoder.layers[0].self_attention = gdn
+    return _Wrapper(inner)
+
+
 def _build(w, seed, layout, optimizer):
     """(model, model_state_dict, optimizer_state_dict, expected local shards by key)."""
     gdn = GdnStandIn(w.tp)
@@ -160,11 +169,7 @@ def _build(w, seed, layout, optimizer):
         owner = getattr(gdn, name.split(".")[0])
         owner.register_parameter(name.split(".")[1], param)
         expected[f"{PATH}.{name}"] = shard
-    inner = torch.nn.Module()
-    inner.decoder = torch.nn.Module()
-    inner.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
-    inner.decoder.layers[0].self_attention = gdn
-    model = _Wrapper(inner)
+    model = _model_around(gdn)
 
     model_layout = layout if layout != "mixed" else ("tp_global" if dist.get_rank() == 0 else "tp_local")
     msd = {}
@@ -494,11 +499,7 @@ def _build_plain(layout, seed):
             entry[sub] = _plain_dtensor(_values(seed, tp_rank, f"{name}/{sub}", shape), mesh, placements, tp)
             expected[f"opt/{key}/{sub}"] = entry[sub].to_local().clone()
         state[f"module.module.{key}"] = entry
-    inner = torch.nn.Module()
-    inner.decoder = torch.nn.Module()
-    inner.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
-    inner.decoder.layers[0].self_attention = gdn
-    model = _Wrapper(inner)
+    model = _model_around(gdn)
     msd = {k: model.module.get_parameter(k) for k in expected if not k.startswith("opt/")}
     osd = {"state": state, "param_groups": [{"lr": 1.0, "params": list(state)}]}
     return model, msd, osd, {k: v.reshape(-1) for k, v in expected.items()}, tp
