@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "status":
         from .cli.status import run as run_status
 
-        return run_status(as_json=args.json, import_targets=not args.no_import)
+        return run_status(as_json=args.json, import_targets_first=not args.no_import)
     if args.command == "selftest":
         from .cli.selftest import run as run_selftest
 

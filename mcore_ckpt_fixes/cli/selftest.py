@@ -323,9 +323,9 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         mcore_ckpt_fixes.apply()
         _progress(f"selftest: importing Megatron-Core {info.version} and the fixes' targets ...", "\n")
         problems = _prepare(registered)
-        from .status import _import_targets
+        from .status import import_targets
 
-        _import_targets()
+        import_targets()
         from mcore_ckpt_fixes.harness.launcher import run_world
 
         report = {r["id"]: r for r in mcore_ckpt_fixes.report()}

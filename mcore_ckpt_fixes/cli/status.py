@@ -13,28 +13,25 @@ from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.engine.version import detect
 
 
-def _import_targets() -> None:
+def import_targets() -> None:
     """Import the modules enabled fixes wait for, so their states resolve from 'pending'."""
-    for fix in ENGINE.discover().values():
-        if ENGINE.modes.get(fix.id, "off") == "off" or not fix.implemented:
+    for fix_id, module in ENGINE.enabled_target_modules():
+        if module in sys.modules:
             continue
-        for target in fix.targets:
-            if target.module in sys.modules:
-                continue
-            try:
-                # Megatron's own import-time chatter stays off stdout (the --json output): warnings
-                # are silenced, and a logging handler megatron.training installs on import
-                # (a stdout StreamHandler on the root logger) is built while stdout is stderr.
-                with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
-                    warnings.simplefilter("ignore")
-                    importlib.import_module(target.module)
-            except Exception as exc:
-                ENGINE.mark_unimportable(fix.id, target.module, f"{type(exc).__name__}: {exc}")
+        try:
+            # Megatron's own import-time chatter stays off stdout (the --json output): warnings
+            # are silenced, and a logging handler megatron.training installs on import
+            # (a stdout StreamHandler on the root logger) is built while stdout is stderr.
+            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+                warnings.simplefilter("ignore")
+                importlib.import_module(module)
+        except Exception as exc:
+            ENGINE.mark_unimportable(fix_id, module, f"{type(exc).__name__}: {exc}")
 
 
-def run(as_json: bool, import_targets: bool) -> int:
-    if import_targets:
-        _import_targets()
+def run(as_json: bool, import_targets_first: bool) -> int:
+    if import_targets_first:
+        import_targets()
     rows = mcore_ckpt_fixes.report()
     if as_json:
         print(json.dumps(rows, indent=2))

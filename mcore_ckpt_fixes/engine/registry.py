@@ -194,6 +194,16 @@ class _Engine:
         states[target.module] = TargetState("applied", f"{why}{note}")
         _log().info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
 
+    def enabled_target_modules(self):
+        """(fix id, module name) of every target of every enabled, implemented fix, in order."""
+        with self.lock:
+            return [
+                (fix.id, target.module)
+                for fix in self.discover().values()
+                if self.modes.get(fix.id, "off") != "off" and fix.implemented
+                for target in fix.targets
+            ]
+
     def _retry(self, fix: Fix, target: Target, module) -> None:
         with self.lock:
             if not self.active or self.modes.get(fix.id, "off") == "off":

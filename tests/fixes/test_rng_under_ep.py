@@ -102,8 +102,8 @@ def test_not_applicable_before_017(mcore_version):
     out = check_py(
         """
         import json, mcore_ckpt_fixes
-        from mcore_ckpt_fixes.cli.status import _import_targets
-        _import_targets()
+        from mcore_ckpt_fixes.cli.status import import_targets
+        import_targets()
         row = {r["id"]: r for r in mcore_ckpt_fixes.report()}["rng-under-ep"]
         print(json.dumps(row))
         """
