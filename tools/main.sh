@@ -3,7 +3,7 @@
 # beside a default Megatron-Core (0.16.1 on Python 3.11 with the CPU torch wheel: the quickest
 # stack to build here) and run the selftest on CPU with gloo: which fixes this release needs, the
 # bug with each fix off, the exact round trip with it on.
-#   tools/main.sh [RELEASE]       e.g. tools/main.sh 0.18.2
+#   tools/main.sh [RELEASE]       e.g. tools/main.sh 0.18.2 (any release of tools/releases.txt or tools/sweep-releases.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -11,7 +11,7 @@ ROOT=$PWD
 ENVS=${MCORE_CKPT_FIXES_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore-ckpt-fixes/envs}
 rel=${1:-0.16.1}
 tools/envs.sh "$rel"
-py=$(awk -v r="$rel" '$1==r {print $2}' tools/releases.txt)
+py=$(awk -v r="$rel" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt)
 app="$ENVS/app-$rel"
 rm -rf "$app"
 "$ENVS/py$py/bin/python" -m pip install -q --no-deps --no-build-isolation --target "$app" "$ROOT"
