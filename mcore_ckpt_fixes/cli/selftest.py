@@ -87,7 +87,11 @@ def _rank_rows(results):
     rows = []
     for r in results:
         if not r.ok:
-            rows.append({"rank": r.rank, "ok": False, "error": _last_line(r.error), "phase": None,
+            # A rank killed at the deadline: its first line says so (its stack follows); a crash: the
+            # traceback's last line says what was raised.
+            hung = r.error.startswith(f"rank {r.rank} did not finish")
+            line = r.error.split(";")[0] if hung else _last_line(r.error)
+            rows.append({"rank": r.rank, "ok": False, "error": line, "phase": None,
                          "max_delta": None, "n_tensors": 0, "fix_state": None, "device": None,
                          "traceback": r.error})
             continue

@@ -102,7 +102,7 @@ def _mesh(group):
 
 
 def _config(tp=1, **extra):
-    """Linear layers with biases; MoE layers without them up to 0.14, which refuses
+    """Linear layers with biases; MoE layers without them on 0.12.1-0.14, which refuse
     ("Bias is not supported for MoE")."""
     from megatron.core.transformer import TransformerConfig
 
