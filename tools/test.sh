@@ -5,6 +5,7 @@
 #   tools/test.sh                 # whole matrix: 0.16.1 0.17.1 0.18.2 0.19.2
 #   tools/test.sh 0.18.2          # one release line
 #   tools/test.sh 0.16.1 -- -k tp_group   # extra pytest arguments after --
+#   tools/test.sh 0.15.3 -- tests/patches # any release of tools/sweep-releases.txt (not the default matrix)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -23,7 +24,7 @@ tools/envs.sh "${releases[@]}" || { echo "test.sh: building environments failed"
 
 failed=()
 for rel in "${releases[@]}"; do
-  py=$(awk -v r="$rel" '$1==r {print $2}' tools/releases.txt)
+  py=$(awk -v r="$rel" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt)
   echo "=== Megatron-Core $rel (Python $py) ==="
   start=$(date +%s)
   PYTHONPATH="$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 \

@@ -2,7 +2,8 @@
 
 The edits mirror mcore_ckpt_fixes/fixes/dtensor_placement.py (the monkeypatch) in effect:
 
-* megatron/core/utils.py: a DTensor the release's helper treats as one (every DTensor up to 0.18;
+* megatron/core/utils.py (0.12-0.19; on 0.12-0.15 the helpers read parallel_state, so the TP rank
+  does too): a DTensor the release's helper treats as one (every DTensor up to 0.18;
   on 0.19 those tagged ``is_torch_fsdp2_param``) is described from its own mesh and placements by
   ``_dtensor_shard_for_checkpoint`` before the release's dense-DP branch is reached; an
   all-Replicate DTensor (or one on a size-1 mesh) continues on the plain path with its local tensor
@@ -128,6 +129,8 @@ HELPER = '''def _dtensor_shard_for_checkpoint(
 '''
 
 ANCHOR = "    dp_replica_id = get_pg_rank(dp_cp_group)\n"
+# 0.12-0.15: the helpers take no groups and read parallel_state.
+LEGACY_ANCHOR = "    dp_replica_id = parallel_state.get_data_parallel_rank(with_context_parallel=True)\n"
 
 
 def _branch(tag, call):
@@ -154,10 +157,13 @@ def _insert_after(text, func, anchor, insert):
 
 def patch_utils(text):
     tag = TAG_TEST in text  # 0.19 enters its DTensor branch only for tagged tensors
+    legacy = ANCHOR not in text
+    anchor = LEGACY_ANCHOR if legacy else ANCHOR
+    tp_rank = "parallel_state.get_tensor_model_parallel_rank()" if legacy else "get_pg_rank(tp_group)"
     text = _insert_after(
         text,
         "make_tp_sharded_tensor_for_checkpoint",
-        ANCHOR,
+        anchor,
         _branch(
             tag,
             "\n            tensor, key, prepend_offsets, tp_axis, tp_rank, tp_size, 0, replica_id, kwargs\n        ",
@@ -166,11 +172,11 @@ def patch_utils(text):
     text = _insert_after(
         text,
         "make_sharded_tensor_for_checkpoint",
-        ANCHOR,
+        anchor,
         _branch(
             tag,
             "\n            tensor,\n            key,\n            prepend_offsets,\n            None,\n            0,\n"
-            "            1,\n            get_pg_rank(tp_group),\n            replica_id,\n            kwargs,\n        ",
+            f"            1,\n            {tp_rank},\n            replica_id,\n            kwargs,\n        ",
         ),
     )
     at = text.index("\ndef make_tp_sharded_tensor_for_checkpoint(") + 1
