@@ -113,18 +113,34 @@ def megatron_first(fix_id):
     applied, changed = state(fix_id), in_place(fix_id, modules)
     mcore_ckpt_fixes.revert()
     assert unchanged(before) == [], ("revert left changes", unchanged(before))
+    for owner, name, old, _ in first:  # outside the target modules too (a definition site elsewhere)
+        assert vars(owner).get(name, INHERITED) is old, ("revert did not restore", owner, name)
     for key, alias in bound.items():
         assert getattr(user, alias) is before[".".join(key)][2], ("from-import binding not restored", key)
     return {"state": applied, "modules": modules, "changed": changed}
 
 
+def _definition_sites(fix_id):
+    """Modules where the fix replaced an object at its definition (a function of that module, or a
+    class attribute): a fix may patch a module other than its targets (mimo-optimizer's load side
+    wraps ``dist_checkpointing``'s ``load``)."""
+    sites = set()
+    for r in changes(fix_id):
+        if isinstance(r.owner, type):
+            sites.add(r.owner.__module__)
+        elif isinstance(r.owner, types.ModuleType) and getattr(r.before, "__module__", None) == r.owner.__name__:
+            sites.add(r.owner.__name__)
+    return sites
+
+
 def in_place(fix_id, modules):
-    """Every binding in the target modules (and the classes they define) that holds one of this
-    fix's replacements: what the fix changed, the same whether the bindings were rebound (Megatron
-    first) or bound the replacement at import (fix first)."""
+    """Every binding in the target modules and the fix's definition sites (and the classes they
+    define) that holds one of this fix's replacements: what the fix changed, the same whether the
+    bindings were rebound (Megatron first) or bound the replacement at import (fix first)."""
     from mcore_ckpt_fixes.engine.patching import MARK
 
     found = set()
+    modules = sorted(set(modules) | _definition_sites(fix_id))
     for owner, attr, value in snapshot(modules).values():
         if getattr(value, MARK, None) == fix_id:
             where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
