@@ -201,43 +201,45 @@ def split_gdn_fused(data, dist_param, split_sizes, module_tp, key, DTensor):
     sizes of the data, never on another rank.
     """
     local = data.to_local() if isinstance(data, DTensor) else data
-    fsdp_slice = getattr(dist_param, "megatron_fsdp_slice", None)
-    n = local.numel()
-    whole = sum(split_sizes) * _gdn_row_numel(dist_param)
-    if getattr(dist_param, "megatron_fsdp_dist_index", None) is not None and (
-        n == whole or (fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n)
-    ):
-        return _gdn_split_fsdp_slice(data, dist_param, split_sizes, module_tp, key, DTensor)
+    start = _gdn_fsdp_start(dist_param, local.numel(), split_sizes)
+    if start is not None:
+        return _gdn_split_fsdp_slice(local, start, data, dist_param, split_sizes, module_tp, key, DTensor)
     if isinstance(data, DTensor) or isinstance(dist_param, DTensor):
         return _gdn_split_by_placements(data, dist_param, split_sizes, module_tp, key, DTensor)
     raise TypeError(f"[GDN] {key}: neither the data nor the parameter is a DTensor")
 
 
-def _gdn_row_numel(tensor):
+def _gdn_fsdp_start(dist_param, n, split_sizes):
+    """Where this rank's ``n`` local elements start in the flat TP-local fused tensor, for a
+    Megatron-FSDP parameter: its slice's start, or 0 for a whole TP-local copy; None for anything
+    else (a DTensor whose own placements say where it lies)."""
     import math
 
-    return math.prod(tensor.shape[1:])
+    if getattr(dist_param, "megatron_fsdp_dist_index", None) is None:
+        return None
+    fsdp_slice = getattr(dist_param, "megatron_fsdp_slice", None)
+    if fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n:
+        return fsdp_slice.start
+    if n == sum(split_sizes) * math.prod(dist_param.shape[1:]):
+        return 0
+    return None
 
 
-def _gdn_split_fsdp_slice(data, dist_param, split_sizes, module_tp, key, DTensor):
-    """Pieces of this rank's Megatron-FSDP slice (or of a whole TP-local copy) of the fused tensor."""
-    local = data.to_local() if isinstance(data, DTensor) else data
+def _gdn_split_fsdp_slice(local, start, data, dist_param, split_sizes, module_tp, key, DTensor):
+    """Pieces of this rank's Megatron-FSDP slice (or of a whole TP-local copy), ``local`` from flat
+    element ``start`` of the TP-local fused tensor."""
+    import math
+
     tp_size, tp_rank = _gdn_tp_coordinates(dist_param)
     local_rows = sum(split_sizes)
     row_shape = list(dist_param.shape[1:])
-    row_numel = _gdn_row_numel(dist_param)
-    total = local_rows * row_numel
+    row_numel = math.prod(row_shape)
     if module_tp != tp_size or dist_param.shape[0] != local_rows * tp_size:
         raise ValueError(
             f"[GDN] {key}: parameter shape {tuple(dist_param.shape)} does not hold {tp_size} TP "
             f"shards of {local_rows} rows (module tp_size={module_tp}, mesh TP size={tp_size})"
         )
-    fsdp_slice = getattr(dist_param, "megatron_fsdp_slice", None)
-    n = local.numel()
-    if fsdp_slice is not None and fsdp_slice.stop - fsdp_slice.start == n:
-        start, stop = fsdp_slice.start, fsdp_slice.stop
-    else:
-        start, stop = 0, total  # an unsharded local copy of the TP-local tensor
+    stop = start + local.numel()
     if start % row_numel or stop % row_numel:
         raise ValueError(f"[GDN] {key}: Megatron-FSDP slice {start}:{stop} is not row-aligned ({row_numel})")
 
