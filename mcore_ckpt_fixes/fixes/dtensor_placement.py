@@ -145,18 +145,19 @@ def takes_groups(helper) -> bool:
     return "dp_cp_group" in helper.__code__.co_consts
 
 
-def _groups(kwargs):
-    """(tp_rank, tp_size) as the release's helpers find them: the groups popped from kwargs, with a
-    fallback to parallel_state when both are None; 0.12-0.15 read parallel_state only."""
+def _groups(helper, kwargs):
+    """(tp_rank, tp_size, kwargs without the groups) as the release's ``helper`` finds them: the
+    groups from kwargs, with a fallback to parallel_state when both are None; 0.12-0.15 read
+    parallel_state only. ``kwargs`` itself is left as it is (the plain path hands it on)."""
     utils = sys.modules[UTILS]
-    tp_group = kwargs.pop("tp_group", None)
-    dp_cp_group = kwargs.pop("dp_cp_group", None)
-    if not _TAKES_GROUPS.get(TP_HELPER, True):
+    rest = {k: v for k, v in kwargs.items() if k not in ("tp_group", "dp_cp_group")}
+    if not _TAKES_GROUPS.get(helper, True):
         ps = utils.parallel_state
-        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    if tp_group is None and dp_cp_group is None:
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), rest
+    tp_group = kwargs.get("tp_group")
+    if tp_group is None and kwargs.get("dp_cp_group") is None:
         tp_group = utils.parallel_state.get_tensor_model_parallel_group()
-    return utils.get_pg_rank(tp_group), utils.get_pg_size(tp_group)
+    return utils.get_pg_rank(tp_group), utils.get_pg_size(tp_group), rest
 
 
 def build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs):
@@ -227,17 +228,14 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     if not _takes_dtensor_branch(TP_HELPER, tensor):
         return orig(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     layout = dtensor_layout(tensor, key)
-    if not layout.sharded:  # all Replicate / size-1 mesh: the plain path, on the local (= full) tensor
-        if replica_id is not None:
-            return orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
-        sh = orig(tensor._local_tensor, key, tp_axis, (0, 0, layout.replica), prepend_offsets, **kwargs)
-        setattr(sh, REPLICA_ATTR, layout.replica)
-        return sh
-    tp_rank, tp_size = _groups(kwargs)
     ours = replica_id is None
-    if ours:
+    if ours:  # the DTensor's mesh holds every copy of its data: it says who writes, not the dense group
         replica_id = (0, 0, layout.replica)
-    sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs)
+    if layout.sharded:
+        tp_rank, tp_size, rest = _groups(TP_HELPER, kwargs)
+        sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, rest)
+    else:  # all Replicate / size-1 mesh: the plain path, on the local (= full) tensor
+        sh = orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     if ours:
         setattr(sh, REPLICA_ATTR, layout.replica)
     return sh
@@ -252,18 +250,15 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
     if not _takes_dtensor_branch(HELPER, tensor):
         return orig(tensor, key, prepend_offsets, replica_id, **kwargs)
     layout = dtensor_layout(tensor, key)
-    if not layout.sharded:  # all Replicate / size-1 mesh: never materialise, the local tensor is the full one
-        if replica_id is not None:
-            return orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
-        tp_rank, _ = _groups(dict(kwargs))
-        sh = orig(tensor._local_tensor, key, prepend_offsets, (0, tp_rank, layout.replica), **kwargs)
-        setattr(sh, REPLICA_ATTR, layout.replica)
-        return sh
-    tp_rank, _ = _groups(kwargs)
     ours = replica_id is None
-    if ours:
+    if ours or layout.sharded:
+        tp_rank, _, rest = _groups(HELPER, kwargs)
+    if ours:  # replicated across TP as the release says; across DP as the DTensor's own mesh says
         replica_id = (0, tp_rank, layout.replica)
-    sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, None, 0, 1, replica_id, kwargs)
+    if layout.sharded:
+        sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, None, 0, 1, replica_id, rest)
+    else:  # all Replicate / size-1 mesh: never materialise, the local tensor is the full one
+        sh = orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
     if ours:
         setattr(sh, REPLICA_ATTR, layout.replica)
     return sh
