@@ -13,7 +13,7 @@ again). A rank whose count differs from another's is the hang signature of #4910
 import json
 import sys
 
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 CASES = (  # (tp, layout): the layouts a rank can hold
     (2, "tp_global"),

@@ -43,7 +43,7 @@ def main(n: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from mcore_ckpt_fixes.harness import cpu_shims
+    from mcore_ckpt_fixes.testing import cpu_shims
 
     cpu_shims.install()
     work = tempfile.mkdtemp(prefix="mimo-load-bench-")

@@ -11,7 +11,7 @@ import json
 import sys
 import tempfile
 
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.scenarios import tp_group
 
 

@@ -1,7 +1,7 @@
 """Shared test helpers.
 
 Engine tests run Python in subprocesses (import order matters and must be fresh); round trips run
-in worlds of forked ranks (see mcore_ckpt_fixes.harness.launcher), started from this warm process.
+in worlds of forked ranks (see mcore_ckpt_fixes.testing.launcher), started from this warm process.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def pytest_sessionstart(session):
     Megatron binds ``mamba_ssm``'s gated RMSNorm when ``megatron.core.ssm.mamba_mixer`` is first
     imported, and other tests import it on the way (on 0.18.2, ``megatron.training``, which the
     rng-under-ep and expert-keys tests load in this process, imports it); whichever test runs first
-    must not fix that choice for the whole session. The stand-in (see mcore_ckpt_fixes/scenarios/tp_group.py) is test infrastructure for a
+    must not fix that choice for the whole session. The stand-in (see mcore_ckpt_fixes/testing/standins.py) is test infrastructure for a
     CUDA-only package that cannot be installed here; a real installation wins."""
-    from mcore_ckpt_fixes.scenarios.tp_group import install_mamba_ssm_stand_in
+    from mcore_ckpt_fixes.testing.standins import install_mamba_ssm_stand_in
 
     install_mamba_ssm_stand_in()
 

@@ -3,7 +3,7 @@
 Runs the registered ``mimo-optimizer/world2`` round trip (and, with ``--world4``, the 4-rank TP=2
 variant) RUNS times with the fix on, while LOAD busy-loop processes keep every core saturated.
 Each world has a deadline; a rank still running at the deadline is killed, and the stack it dumped
-just before (``harness/worker.py``) is printed: the collective where ranks disagree. Exit status
+just before (``testing/worker.py``) is printed: the collective where ranks disagree. Exit status
 1 when any run stalled or was not exact.
 
     PYTHONPATH=$E/mcore-0.19.2:. $E/py3.12/bin/python tools/mimo_stress.py [--runs 20] [--load 2] [--world4]
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world4", action="store_true", help="the 4-rank TP=2 variant instead of world 2")
     args = ap.parse_args(argv)
 
-    from mcore_ckpt_fixes.harness.launcher import run_world
+    from mcore_ckpt_fixes.testing.launcher import run_world
     from mcore_ckpt_fixes.scenarios.mimo_optimizer import prepare
 
     prepare()

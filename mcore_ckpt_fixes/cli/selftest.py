@@ -1,7 +1,7 @@
 """``selftest``: run every fix's round trips on this stack, with the fix off and on, and say what happened.
 
 For each registered fix: whether this release needs it (the engine's verdict with default flags,
-as ``status`` shows it), then per scenario of :mod:`mcore_ckpt_fixes.scenarios` one world with the
+as ``status`` shows it), then per scenario its fix declares (:mod:`mcore_ckpt_fixes.testing`) one world with the
 fix off (``MCORE_CKPT_FIXES=off``: on a release that needs the fix the documented bug must show)
 and one with it on (every tensor must come back exactly on every rank). Exit 0 only when every
 fix this release needs (or might need: its state could not be decided) has run every scenario
@@ -282,7 +282,7 @@ def _set_aside_user_flags():
 
 def _prepare(scenarios):
     """Run each distinct prepare hook once, here in the parent. -> {hook: skip reason or error}."""
-    from mcore_ckpt_fixes.scenarios import resolve
+    from mcore_ckpt_fixes.testing import resolve
 
     problems = {}
     for hook in dict.fromkeys(s.prepare for s in scenarios if s.prepare):
@@ -299,7 +299,7 @@ def _prepare(scenarios):
 
 
 def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
-    from mcore_ckpt_fixes.scenarios import for_fix
+    from mcore_ckpt_fixes.testing import for_fix
 
     info = detect()
     if info.source == "absent":
@@ -330,7 +330,7 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         from .status import import_targets
 
         import_targets()
-        from mcore_ckpt_fixes.harness.launcher import run_world
+        from mcore_ckpt_fixes.testing.launcher import run_world
 
         report = {r["id"]: r for r in mcore_ckpt_fixes.report()}
         runnable = []

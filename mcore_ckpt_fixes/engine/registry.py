@@ -60,6 +60,7 @@ class _Engine:
                 mod = importlib.import_module(f"{FIXES_PACKAGE}.{name}")
                 fix = getattr(mod, "FIX", None)
                 if isinstance(fix, Fix):
+                    fix.home = mod.__name__
                     found.append(fix)
             order = getattr(pkg, "ORDER", ())
             found.sort(key=lambda f: (order.index(f.id) if f.id in order else len(order), f.id))
@@ -144,16 +145,17 @@ class _Engine:
         if current is not None and current.state in ("applied", "not-needed", "not-applicable", "failed"):
             return  # decided already: apply twice leaves one layer
         mode = self.modes[fix.id]
-        outside = info.version is not None and info.version not in fix.specifiers
-        if outside and mode != "on" and info.source != "checkout":
+        gate = _gate(fix, target, info)
+        outside = gate.version is not None and gate.version not in target.specifiers(fix)
+        if outside and mode != "on" and gate.source != "checkout":
             states[target.module] = TargetState(
-                "not-needed", f"Megatron-Core {info.version} is outside the affected range {fix.affected}"
+                "not-needed", f"{gate.name} {gate.version} is outside the affected range {gate.affected}"
             )
             return
         # A Megatron-LM checkout's version string may name a release its code does not match (a dev
         # tree of the next release, a pinned commit between releases): there the probe decides.
         checkout_note = (
-            f" (checkout: its version {info.version} is outside the affected range {fix.affected}; decided by the probe)"
+            f" (checkout: its version {gate.version} is outside the affected range {gate.affected}; decided by the probe)"
             if outside and mode != "on" else ""
         )
         try:
@@ -306,6 +308,22 @@ class _Engine:
             return rows
 
 
+class _Gate:
+    __slots__ = ("name", "version", "source", "affected")
+
+    def __init__(self, name, version, source, affected):
+        self.name, self.version, self.source, self.affected = name, version, source, affected
+
+
+def _gate(fix: Fix, target: Target, info) -> _Gate:
+    """The version that gates ``target``: Megatron-Core's (wheel or checkout), or the installed
+    version of the package the target declares (a framework's own copy of the buggy code)."""
+    affected = target.affected if target.affected is not None else fix.affected
+    if target.gated_by_megatron:
+        return _Gate("Megatron-Core", info.version, info.source, affected)
+    return _Gate(target.package, _version.package_version(target.package), "wheel", affected)
+
+
 class _LazyInfo:
     """The Megatron-Core version, detected only when a target is actually reached."""
 
@@ -316,14 +334,17 @@ class _LazyInfo:
 
 
 def _fix_module_names(paths):
-    # os.listdir instead of pkgutil: the fixes are plain modules of one directory.
+    # os.listdir instead of pkgutil (cheaper): one package per fix (a directory with __init__.py),
+    # or a plain module.
     import os
 
     names = set()
     for path in paths:
         for entry in os.listdir(path):
             stem, ext = os.path.splitext(entry)
-            if ext == ".py" and not stem.startswith("_"):
+            if stem.startswith("_") or stem.startswith("."):
+                continue
+            if ext == ".py" or (not ext and os.path.isfile(os.path.join(path, entry, "__init__.py"))):
                 names.add(stem)
     return sorted(names)
 

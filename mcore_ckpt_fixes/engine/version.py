@@ -72,3 +72,16 @@ def detect() -> MegatronInfo:
         )
         return MegatronInfo(version, "wheel" if has_dist_info else "checkout", pkg_dir)
     return MegatronInfo(None, "absent", None)
+
+
+def package_version(distribution: str):
+    """The installed version of ``distribution`` (a packaging Version), or None when it is not
+    installed as a distribution or its version does not parse (a source tree on the path)."""
+    from importlib import metadata
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(metadata.version(distribution))
+    except (metadata.PackageNotFoundError, InvalidVersion):
+        return None

@@ -35,7 +35,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .common import fix_states
+from ..testing.states import fix_states
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 HIDDEN, FFN, EXPERTS = 8, 12, 4

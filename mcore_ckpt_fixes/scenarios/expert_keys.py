@@ -33,7 +33,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .common import fix_states
+from ..testing.meshes import cpu_device_meshes
+from ..testing.states import fix_states
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 EP, NUM_EXPERTS = 2, 4
@@ -100,36 +101,6 @@ def _cut(rows, dp_rank, dp_size):
     single parameter's share is uneven, possibly empty): (first row, end row) of ``dp_rank``."""
     bounds = [min(rows, -(-rows * k * 5 // (4 * dp_size))) for k in range(dp_size)] + [rows]
     return bounds[dp_rank], bounds[dp_rank + 1]
-
-
-class _CpuDeviceMesh:
-    """``DeviceMesh`` as the Megatron-FSDP adapter sees it, with its meshes on the CPU: the adapter
-    asks for ``device_type="cuda"``, and DTensors of a CUDA mesh move their local tensor to CUDA."""
-
-    @staticmethod
-    def from_group(*args, **kwargs):
-        from torch.distributed.device_mesh import DeviceMesh
-
-        kwargs["device_type"] = "cpu"
-        return DeviceMesh.from_group(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cpu_device_meshes():
-    """Worker-only shim (never installed by ``import mcore_ckpt_fixes``), restored on exit."""
-    import torch.distributed.device_mesh
-
-    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
-
-    saved = adapter.__dict__.get("DeviceMesh")
-    if torch.cuda.is_available() or saved is None:
-        yield
-        return
-    adapter.DeviceMesh = _CpuDeviceMesh
-    try:
-        yield
-    finally:
-        adapter.DeviceMesh = saved
 
 
 class _Layout:

@@ -35,7 +35,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .common import ON, fix_states
+from ..testing.states import ON, fix_states
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 # Global GDN dims: qk = 2 heads x 4, v = 4 heads x 3, so components have distinct sizes.

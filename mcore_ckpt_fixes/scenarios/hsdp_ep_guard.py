@@ -15,7 +15,7 @@ What is real: ``parallel_state``, ``FullyShardedDataParallel._init_dist_index`` 
 ``FullyShardedDataParallel.__init__``, where the guard sits and where the meshes are chosen),
 ``make_fsdp_dtensor`` with uneven chunk metadata, torch DCP. Not run: the rest of ``__init__``
 (``MegatronFSDP`` allocates CUDA buffers); the meshes are created on the CPU (see
-``expert_keys.cpu_device_meshes``, installed in the worker only).
+``testing.meshes.cpu_device_meshes``, installed in the worker only).
 
 The "tensors" of the result are the dense and expert parameter of every configuration that was set
 up; a refused configuration contributes none and is listed under ``refused``.
@@ -31,7 +31,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .common import fix_states
+from ..testing.states import fix_states
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 NUM_EXPERTS, ROWS, COLS = 4, 6, 3
@@ -66,7 +66,7 @@ def _setup(ep, instances):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from .expert_keys import cpu_device_meshes
+    from ..testing.meshes import cpu_device_meshes
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep, num_distributed_optimizer_instances=instances)
     ddp_config = DistributedDataParallelConfig(

@@ -16,7 +16,7 @@ What is *not* the real thing, and why:
   derive for the optimizer is built here from plain ``torch.distributed`` groups with the same
   membership. The checkpoint code under test (``MimoOptimizer.sharded_state_dict`` /
   ``load_state_dict`` and the inner optimizers') is the real code.
-* On CPU the worker's shims (``harness/cpu_shims.py``) make ``torch.cuda.current_device()`` the CPU
+* On CPU the worker's shims (``testing/cpu_shims.py``) make ``torch.cuda.current_device()`` the CPU
   so DDP's buffers and the optimizer's state land there. Apex/TransformerEngine are absent, so the
   inner optimizer is ``torch.optim.AdamW`` behind ``DistributedOptimizer`` (its documented fallback).
 * The optimizer state is produced by one real AdamW step on the main-parameter shards, then
@@ -45,7 +45,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .common import ON, fix_states
+from ..testing.states import ON, fix_states
 
 MODULES = ("language", "vision")
 HIDDEN = 16
@@ -67,7 +67,7 @@ def _cuda_to_cpu_mode():
     Megatron's optimizer classes allocate small bookkeeping tensors with ``device='cuda'``
     (``MixedPrecisionOptimizer._dummy_overflow_buf``, ``DistributedOptimizer``'s state allocation
     on load) and accept parameters only when ``param.type()`` names a ``torch.cuda`` type;
-    ``harness/cpu_shims.py`` covers ``torch.cuda.current_device()`` but not these. The mode maps
+    ``testing/cpu_shims.py`` covers ``torch.cuda.current_device()`` but not these. The mode maps
     ``device="cuda"`` to the CPU, makes ``Tensor.cuda()`` a no-op and reports a CPU tensor's
     ``type()`` under its CUDA name. Entered only around the scenario's own calls, in the worker,
     on a CPU run.

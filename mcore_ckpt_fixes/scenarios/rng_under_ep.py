@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .common import fix_states
+from ..testing.states import fix_states
 
 EP = 2
 SEED, FRESH_SEED = 1234, 4321

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.fixes import ORDER
-from mcore_ckpt_fixes.scenarios import Bug, for_fix
+from mcore_ckpt_fixes.testing import Bug, for_fix
 
 
 def _json_run(args):

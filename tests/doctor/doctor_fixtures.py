@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 
 @pytest.fixture(scope="session")

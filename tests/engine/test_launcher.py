@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from mcore_ckpt_fixes.harness.launcher import WorldError, run_world, values
+from mcore_ckpt_fixes.testing.launcher import WorldError, run_world, values
 
 
 def test_results_from_every_rank_and_env_applied():

@@ -32,7 +32,7 @@ def _plain(value):
 
 def main(jobs_path, out_path):
     from mcore_ckpt_fixes.engine.version import detect
-    from mcore_ckpt_fixes.harness.launcher import run_world
+    from mcore_ckpt_fixes.testing.launcher import run_world
     from mcore_ckpt_fixes.scenarios.mimo_optimizer import prepare
 
     prepare()

@@ -13,7 +13,7 @@ import torch
 from conftest import check_py
 from mcore_ckpt_fixes.fixes import dtensor_placement as dp
 from mcore_ckpt_fixes.fixes.dtensor_placement import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.scenarios import DTP_TP_FSDP, for_fix
 
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import check_py
 from mcore_ckpt_fixes.fixes.expert_keys import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import for_fix
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 SC = "mcore_ckpt_fixes.scenarios.expert_keys"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import check_py
 from mcore_ckpt_fixes.fixes.gdn_fsdp_split import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import for_fix
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 SC = "mcore_ckpt_fixes.scenarios.gdn_fsdp_split"
 BOUNDARY = "AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed."

@@ -13,8 +13,8 @@ import types
 import pytest
 
 from mcore_ckpt_fixes.fixes.hsdp_ep_guard import FIX, refusal
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import for_fix
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 SC = "mcore_ckpt_fixes.scenarios.hsdp_ep_guard"
 MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"

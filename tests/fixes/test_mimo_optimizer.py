@@ -4,7 +4,7 @@ Non-colocated modules, gloo on CPU: world 2 (language on rank 0, vision on rank 
 (TP=2 per module). Inner sharding type ``dp_reshardable``: on CPU the other DistributedOptimizer
 types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/scenarios/mimo_optimizer.py).
 What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tensor.cuda()`` and
-``Tensor.type()`` names (a TorchFunctionMode), besides harness/cpu_shims.py.
+``Tensor.type()`` names (a TorchFunctionMode), besides testing/cpu_shims.py.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.scenarios import MIMO_SAVE_SIDE, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG, for_fix, resolve
 
 SCENARIO = for_fix("mimo-optimizer")[0]

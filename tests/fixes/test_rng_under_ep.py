@@ -24,8 +24,8 @@ import pytest
 
 from conftest import check_py
 from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import for_fix
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 SC = "mcore_ckpt_fixes.scenarios.rng_under_ep"
 COMPONENTS = {
@@ -314,7 +314,7 @@ import megatron
 assert megatron.__path__[0] == os.environ["PATCHED_MEGATRON"], megatron.__path__
 from mcore_ckpt_fixes.scenarios.rng_under_ep import prepare
 prepare()
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 results = values(run_world("mcore_ckpt_fixes.scenarios.rng_under_ep:load_only", 2,
                            {"ckpt_dir": os.environ["CKPT_DIR"], "patched": False},
                            env={"MCORE_CKPT_FIXES": "off"}, timeout=180))

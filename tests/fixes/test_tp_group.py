@@ -8,8 +8,8 @@ a CPU host), see mcore_ckpt_fixes/scenarios/tp_group.py for exactly what it repl
 import pytest
 
 from mcore_ckpt_fixes.fixes.tp_group import FIX
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import for_fix, resolve
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix, resolve
 
 # The registry selftest runs too: each scenario with the exact error it shows without the fix
 # (see mcore_ckpt_fixes/scenarios/__init__.py for why a lone MambaMixer's differs).

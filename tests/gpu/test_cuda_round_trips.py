@@ -18,12 +18,12 @@ import tempfile
 import pytest
 
 from mcore_ckpt_fixes.engine.registry import ENGINE
-from mcore_ckpt_fixes.harness.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import SCENARIOS, resolve
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import all_scenarios, resolve
 
 pytestmark = pytest.mark.gpu
 
-CUDA_SCENARIOS = [s for s in SCENARIOS if "cuda" in s.devices and ENGINE.discover()[s.fix_id].implemented]
+CUDA_SCENARIOS = [s for s in all_scenarios() if "cuda" in s.devices and ENGINE.discover()[s.fix_id].implemented]
 
 
 def _backend(nproc):

@@ -51,9 +51,9 @@ SCRIPT = r"""
 import json, os, sys, tempfile
 import megatron
 assert megatron.__path__[0] == os.environ["PATCHED_MEGATRON"], megatron.__path__
-from mcore_ckpt_fixes.scenarios import SCENARIOS, resolve
+from mcore_ckpt_fixes.testing import all_scenarios, resolve
 fix_id = os.environ["FIX_ID"]
-mine = [s for s in SCENARIOS if s.fix_id == fix_id]
+mine = [s for s in all_scenarios() if s.fix_id == fix_id]
 for prep in {s.prepare for s in mine if s.prepare}:
     resolve(prep)()
 import mcore_ckpt_fixes
@@ -68,7 +68,7 @@ for t in ENGINE.fixes[fix_id].targets:
     except ImportError:  # e.g. megatron.training, which wheels ship only from 0.17
         absent.append(t.module)
 row = {r["id"]: r for r in mcore_ckpt_fixes.report()}[fix_id]
-from mcore_ckpt_fixes.harness.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import run_world, values
 out = {"probe": row["targets"], "absent": absent, "round_trips": {}}
 for s in mine:
     if s.absent() is not None:
@@ -112,8 +112,7 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
             assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (name, rank, r["max_delta"])
 
 
-def _patchgen_for(fix_id):
-    return os.path.join(ROOT, "tools", "patchgen", fix_id.replace("-", "_") + ".py")
+PATCHGEN = os.path.join(ROOT, "tools", "patchgen")
 
 
 @pytest.mark.parametrize("fix_id", _implemented_fixes_with_patches())
@@ -125,7 +124,8 @@ def test_committed_patch_is_what_patchgen_writes_today(fix_id, mcore_version, pr
         assert mcore_version not in ENGINE.discover()[fix_id].specifiers
         return
     src_root = os.path.dirname(pristine_megatron)
-    proc = subprocess.run([sys.executable, _patchgen_for(fix_id), src_root, str(mcore_version)], capture_output=True, text=True)
+    cmd = [sys.executable, PATCHGEN, fix_id, src_root, str(mcore_version)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     with open(patch_file, encoding="utf-8") as f:
-        assert proc.stdout == f.read(), f"{patch_file} is stale: run {_patchgen_for(fix_id)} {src_root} {mcore_version}"
+        assert proc.stdout == f.read(), f"{patch_file} is stale: run {' '.join(cmd[1:])}"

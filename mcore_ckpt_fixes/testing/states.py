@@ -1,4 +1,4 @@
-"""Helpers every scenario module shares (imported inside ranks; nothing heavy at import)."""
+"""The fix state a round trip must run under (imported inside ranks; nothing heavy at import)."""
 
 from __future__ import annotations
 

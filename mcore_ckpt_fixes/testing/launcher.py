@@ -4,7 +4,7 @@ Two ways to start ranks:
 
 * ``fork`` (CPU/gloo default): children of a parent that already imported torch and Megatron-Core,
   so a fresh world costs milliseconds instead of the 15 s of importing everything again.
-* ``spawn``: fresh interpreters (``python -m mcore_ckpt_fixes.harness.worker``); required for CUDA,
+* ``spawn``: fresh interpreters (``python -m mcore_ckpt_fixes.testing.worker``); required for CUDA,
   whose state does not survive a fork.
 
 Every world has a deadline: when one rank dies before a collective the others would wait forever,
@@ -104,7 +104,7 @@ def run_world(
         for rank in range(nproc):
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "mcore_ckpt_fixes.harness.worker", job_path, str(rank), result_paths[rank]],
+                    [sys.executable, "-m", "mcore_ckpt_fixes.testing.worker", job_path, str(rank), result_paths[rank]],
                     start_new_session=True,
                     env=child_env,
                 )

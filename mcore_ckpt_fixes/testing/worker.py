@@ -1,4 +1,4 @@
-"""One rank of a world started by :mod:`mcore_ckpt_fixes.harness.launcher`."""
+"""One rank of a world started by :mod:`mcore_ckpt_fixes.testing.launcher`."""
 
 from __future__ import annotations
 

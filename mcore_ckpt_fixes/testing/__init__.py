@@ -1,0 +1,16 @@
+"""The round-trip contract every fix's scenarios share, used by the test suite and ``selftest``.
+
+* :mod:`.registry`: :class:`~.registry.Scenario` and :class:`~.registry.Bug` (how a fix declares a
+  round trip and what its fix-off half shows), found per fix package (no shared list);
+* :mod:`.result`: :class:`~.result.RoundTrip`, the one result type, phase tracking and error policy;
+* :mod:`.compare`: tensor comparison; :mod:`.meshes`: CPU device meshes; :mod:`.standins`: stand-ins
+  for CUDA-only packages (``mamba_ssm``); :mod:`.states`: the fix state a world must run under;
+* :mod:`.launcher`, :mod:`.worker`, :mod:`.cpu_shims`: worlds of ranks with a deadline.
+
+Nothing here is imported by ``import mcore_ckpt_fixes``; CPU shims are installed only in workers.
+Only :mod:`.registry` is light (no torch): the rest is imported inside test and selftest processes.
+"""
+
+from .registry import Bug, Scenario, all_scenarios, for_fix, resolve
+
+__all__ = ["Bug", "Scenario", "all_scenarios", "for_fix", "resolve"]

@@ -1,0 +1,186 @@
+"""The fixes' round-trip scenarios: how one is declared, and where the suite and ``selftest`` find them.
+
+A scenario is a function ``(rank, world_size, ckpt_dir, patched, device="cpu") -> dict`` run on
+every rank of a world started by :mod:`mcore_ckpt_fixes.testing.launcher`. It returns what a
+:class:`mcore_ckpt_fixes.testing.result.RoundTrip` records: ``error`` (the first failure as
+``"Type: message"``, ``None`` when the round trip completed), ``phase`` (where it happened),
+``max_delta`` (the largest absolute difference per tensor between what was saved and what was
+loaded), ``n_tensors`` and ``fix_state``, plus what the scenario adds.
+
+Each fix declares its scenarios in ``mcore_ckpt_fixes/fixes/<fix>/scenarios.py`` as a tuple
+``SCENARIOS`` of :class:`Scenario`; :func:`for_fix` and :func:`all_scenarios` find them through the
+engine's discovery, so adding a fix edits no shared list. A :class:`Scenario` says how to read the
+fix-off half on a release the fix is needed for (its :class:`Bug`: the documented error, exactly,
+or wrong values after load). On a release that does not need the fix, both halves must round-trip
+exactly.
+
+This module imports nothing heavy (no torch, no megatron): ``selftest`` reads the declarations
+before deciding what to run; scenario functions and ``prepare`` hooks are named as strings and
+imported only when they run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["Bug", "Scenario", "all_scenarios", "for_fix", "resolve"]
+
+
+class Bug:
+    """What the fix-off half shows on a release that needs the fix.
+
+    ``Bug.raises(phase, error)``: every rank stops in ``phase`` with exactly ``error``.
+    ``Bug.wrong_values()``: the round trip completes but some rank loads other values than it saved.
+    """
+
+    __slots__ = ("kind", "phase", "error")
+
+    def __init__(self, kind, phase=None, error=None):
+        if kind not in ("raises", "wrong-values"):
+            raise ValueError(f"unknown bug kind {kind!r}")
+        self.kind, self.phase, self.error = kind, phase, error
+
+    @classmethod
+    def raises(cls, phase, error):
+        return cls("raises", phase, error)
+
+    @classmethod
+    def wrong_values(cls):
+        return cls("wrong-values")
+
+    def describe(self) -> str:
+        if self.kind == "raises":
+            return f"{self.error} (in {self.phase})"
+        return "a rank loads other values than it saved"
+
+    def matches(self, result: dict) -> bool:
+        """Does this rank's result show the bug? (``raises``: exactly this error in this phase;
+        ``wrong-values``: the round trip got to the comparison and some tensor differs.)"""
+        if self.kind == "raises":
+            return result.get("phase") == self.phase and result.get("error") == self.error
+        return _completed(result) and any(d != 0.0 for d in (result.get("max_delta") or {}).values())
+
+    def seen_in(self, results) -> bool:
+        """Does the world (one result dict per rank, ``None`` for a rank that crashed) show the bug?
+
+        ``raises``: on every rank. ``wrong-values``: every rank completed the round trip and at least
+        one loaded other values (a rank reading another rank's shard leaves the others exact).
+        """
+        if any(r is None for r in results) or not results:
+            return False
+        if self.kind == "raises":
+            return all(self.matches(r) for r in results)
+        return all(_completed(r) for r in results) and any(self.matches(r) for r in results)
+
+    def __repr__(self):
+        return f"Bug({self.kind!r}, {self.phase!r}, {self.error!r})"
+
+
+def _completed(result: dict) -> bool:
+    """The round trip ran to the end: no error, or only the comparison's own assertion."""
+    return bool(result.get("max_delta")) and result.get("phase") in (None, "compare")
+
+
+class Scenario:
+    """One round trip of one fix.
+
+    ``func`` and ``prepare`` are ``"package.module:function"`` strings. ``prepare()`` runs in the
+    parent before any world is started (forked ranks inherit what it did: stand-ins for optional
+    packages that must be in place before Megatron imports, and the Megatron imports themselves,
+    so each world forks warm). ``nproc``: the world size the scenario is written for.
+    """
+
+    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc", "requires",
+                 "applicable")
+
+    def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc="",
+                 requires=(), applicable=None):
+        self.fix_id = fix_id
+        self.name = name
+        self.func = func
+        self.nproc = nproc
+        self.bug = bug
+        self.prepare = prepare
+        self.devices = tuple(devices)
+        self.timeout = timeout
+        self.doc = doc
+        self.requires = tuple(requires)
+        self.applicable = applicable  # "module:function" -> None, or why this release cannot run it
+
+    def absent(self):
+        """The first of ``requires`` (``"module:attribute"`` or ``"module:Class.attribute"``: the Megatron feature the scenario
+        exercises) that this installation lacks, as a sentence, or what the ``applicable`` check says
+        (an API the scenario needs that differs in this release); None when it can run."""
+        for ref in self.requires:
+            module_name, _, attr = ref.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                return f"{module_name} is not importable"
+            owner = module
+            for part in attr.split(".") if attr else ():
+                if not hasattr(owner, part):
+                    return f"{module_name} has no {attr}"
+                owner = getattr(owner, part)
+        if self.applicable is not None:
+            return resolve(self.applicable)()
+        return None
+
+    def bug_for(self, version):
+        """The :class:`Bug` the fix-off half shows on ``version`` (a ``packaging`` Version or None);
+        None where no declared release line matches."""
+        if isinstance(self.bug, Bug):
+            return self.bug
+        from packaging.specifiers import SpecifierSet
+
+        for spec, bug in self.bug.items():
+            if version is not None and version in SpecifierSet(spec, prereleases=True):
+                return bug
+        return None
+
+    @property
+    def id(self) -> str:
+        return f"{self.fix_id}/{self.name}"
+
+    def __repr__(self):
+        return f"Scenario({self.id!r})"
+
+
+def resolve(ref: str):
+    """``"package.module:function"`` -> the function (imports the module)."""
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _declared(fix):
+    """The scenarios ``fix``'s package declares (``<package>.scenarios.SCENARIOS``), or none."""
+    home = getattr(fix, "home", None)
+    if not home:
+        return ()
+    try:
+        module = importlib.import_module(f"{home}.scenarios")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{home}.scenarios":
+            raise
+        return ()
+    return tuple(getattr(module, "SCENARIOS", ()))
+
+
+def all_scenarios():
+    """Every registered scenario, fixes in ``status`` order, each fix's in declaration order."""
+    from ..engine.registry import ENGINE
+
+    found = []
+    for fix in ENGINE.discover().values():
+        mine = _declared(fix)
+        if not mine:  # transitional: fixes not moved into their own package yet
+            from .. import scenarios as legacy
+
+            mine = tuple(s for s in legacy.SCENARIOS if s.fix_id == fix.id)
+        found.extend(mine)
+    return tuple(found)
+
+
+def for_fix(fix_id: str):
+    """The scenarios registered for ``fix_id``, in declaration order (possibly none)."""
+    return tuple(s for s in all_scenarios() if s.fix_id == fix_id)

@@ -1,0 +1,89 @@
+"""Stand-ins for packages whose kernels cannot be installed on a CPU host (test and selftest only).
+
+``mamba_ssm`` (see :func:`install_mamba_ssm_stand_in`): ``MambaMixer`` needs it, and its Triton/CUDA
+kernels cannot be installed on a CPU host. Megatron imports from it
+
+* ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``: the base class of ``ExtendedRMSNorm``, the
+  mixer's gated norm. Without the package Megatron substitutes a ``MagicMock`` and the norm (with
+  its TP-sharded ``weight``, a tensor tp-group's fix is about) would not be a real module. The
+  stand-in is a ``torch.nn.Module`` with the same constructor and a ``weight`` Parameter of size
+  ``hidden_size``: exactly what the checkpoint sees of the real one (forward is not provided).
+* the kernels ``mamba_chunk_scan_combined``, ``mamba_split_conv1d_scan_combined`` (and, in 0.16,
+  ``selective_state_update``): only called in forward, which a checkpoint round trip never runs;
+  they raise ``NotImplementedError``.
+
+``causal_conv1d`` is optional in every release (Megatron falls back to ``None``), so it is not
+stood in for. A real ``mamba_ssm`` installation always wins.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+
+class _GatedRMSNormStandIn(torch.nn.Module):
+    """``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``'s parameters, without its Triton forward."""
+
+    def __init__(
+        self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)  # as the real one
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("mamba_ssm stand-in: gated RMSNorm forward is not available")
+
+
+def _kernel(name):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"mamba_ssm stand-in: {name} is a CUDA kernel, not available here")
+
+    kernel.__name__ = name
+    return kernel
+
+
+def install_mamba_ssm_stand_in() -> None:
+    """Register the stand-in ``mamba_ssm`` in ``sys.modules``; must run before ``mamba_mixer`` imports."""
+    mixer = sys.modules.get("megatron.core.ssm.mamba_mixer")
+    if mixer is not None:
+        if not getattr(mixer, "HAVE_MAMBA_SSM", False):
+            # Its ExtendedRMSNorm is then a MagicMock. Reloading would replace the classes the fix
+            # engine patched, so refuse instead of testing something else than the fix.
+            raise RuntimeError(
+                "megatron.core.ssm.mamba_mixer was imported without mamba_ssm; call "
+                "mcore_ckpt_fixes.testing.standins.install_mamba_ssm_stand_in() before importing it"
+            )
+        return
+    if "mamba_ssm" in sys.modules:
+        return  # a real mamba_ssm (or our stand-in) is already there
+    try:
+        import mamba_ssm  # noqa: F401  (a real installation wins)
+
+        return
+    except ImportError:
+        pass
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"]
+    leaves = {
+        "mamba_ssm.ops.triton.layernorm_gated": {"RMSNorm": _GatedRMSNormStandIn},
+        "mamba_ssm.ops.triton.ssd_combined": {
+            n: _kernel(n) for n in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
+        },
+        "mamba_ssm.ops.triton.selective_state_update": {  # imported from here by 0.16 only
+            "selective_state_update": _kernel("selective_state_update")
+        },
+    }
+    for name in names + list(leaves):
+        mod = types.ModuleType(name, "stand-in registered by mcore_ckpt_fixes.testing.standins")
+        mod.__dict__.update(leaves.get(name, {}))
+        if name in names:
+            mod.__path__ = []  # a package, so the submodules resolve
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, mod)
+    sys.modules["mamba_ssm"].__version__ = "0.0.0"  # only read by forward-time version checks

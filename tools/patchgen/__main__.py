@@ -1,0 +1,35 @@
+"""Write a fix's source diff for one release: ``python tools/patchgen FIX_ID SRC_ROOT RELEASE``.
+
+SRC_ROOT holds the pristine sources (an unpacked wheel: SRC_ROOT/megatron/core/...). The edits come
+from the fix's upstream-shaped module, ``mcore_ckpt_fixes/fixes/<fix>/upstream.py``
+(``source_edits(release)``); see :mod:`mcore_ckpt_fixes.sourcediff`.
+"""
+
+import importlib
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(fix_id: str, src_root: str, release: str) -> None:
+    sys.path.insert(0, ROOT)
+    pkg = fix_id.replace("-", "_")
+    if not os.path.isfile(os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg, "upstream.py")):
+        # Transitional: a fix not moved into its own package yet keeps its own script.
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path.insert(0, here)
+        sys.argv = [os.path.join(here, f"{pkg}.py"), src_root, release]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
+    from mcore_ckpt_fixes.sourcediff import render
+
+    upstream = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.upstream")
+    sys.stdout.write(render(src_root, upstream.source_edits(release)))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python tools/patchgen FIX_ID SRC_ROOT RELEASE")
+    main(*sys.argv[1:])
