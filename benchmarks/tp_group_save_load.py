@@ -12,11 +12,11 @@ import sys
 import tempfile
 
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import tp_group
+from mcore_ckpt_fixes.testing.standins import install_mamba_ssm_stand_in
 
 
 def main() -> int:
-    tp_group.install_mamba_ssm_stand_in()
+    install_mamba_ssm_stand_in()
     import megatron.core.dist_checkpointing  # noqa: F401  (warm parent: ranks fork from here)
     import megatron.core.models.vision.radio  # noqa: F401
     import megatron.core.ssm.mamba_mixer  # noqa: F401
@@ -25,7 +25,7 @@ def main() -> int:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15  # fewer repeats: +-8 % noise here
     with tempfile.TemporaryDirectory() as d:
         per_rank = values(
-            run_world("mcore_ckpt_fixes.scenarios.tp_group_classic:save_load_timing", 2,
+            run_world("mcore_ckpt_fixes.fixes.tp_group.classic_models:save_load_timing", 2,
                       {"ckpt_dir": d, "repeats": repeats}, timeout=600)
         )
     out = {

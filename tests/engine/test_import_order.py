@@ -176,55 +176,6 @@ if __name__ == '__main__':
     assert "('original reached', ['spawned'])" in out, out
 
 
-def test_tp_group_takes_hold_in_either_order(mcore_version):
-    """On releases with the bug, the real fix lands whether Megatron comes first or second."""
-    from mcore_ckpt_fixes.fixes.tp_group import FIX
-
-    expect = "applied" if mcore_version in FIX.specifiers else "not-needed"
-    for order in ("fixes-first", "megatron-first"):
-        code = """
-import sys
-if ORDER == 'megatron-first':
-    import megatron.core.ssm.mamba_layer
-import mcore_ckpt_fixes
-import megatron.core.ssm.mamba_layer as ml
-from mcore_ckpt_fixes.fixes import tp_group
-state = {r['id']: r for r in mcore_ckpt_fixes.report()}['tp-group']
-patched = ml.MambaLayer.__dict__['__init__'] is tp_group.mamba_layer_init
-print(state['targets']['megatron.core.ssm.mamba_layer']['state'], patched)
-""".replace("ORDER", repr(order))
-        out = check_py(code).split()
-        assert out == [expect, str(expect == "applied")], (order, out)
-
-
-def test_tp_group_fixed_constructor_in_spawn_child(mcore_version):
-    from mcore_ckpt_fixes.fixes.tp_group import FIX
-
-    out = check_py(
-        """
-import multiprocessing as mp, types
-import mcore_ckpt_fixes
-from megatron.core.ssm.mamba_layer import MambaLayer
-
-def child(cls):
-    import types
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
-    pg = types.SimpleNamespace(tp='the-tp-group')
-    layer = cls(cfg, MambaLayerSubmodules(norm=IdentityOp, mixer=IdentityOp, mamba_bda=IdentityOp), pg_collection=pg)
-    return getattr(layer, 'tp_group', None)
-
-if __name__ == '__main__':
-    with mp.get_context('spawn').Pool(1) as pool:
-        print(pool.apply(child, (MambaLayer,)))
-"""
-    )
-    # Fixed (or never buggy): the child's MambaLayer keeps the group it was given.
-    assert out.strip() == "the-tp-group", out
-
-
 def test_importing_fixes_alone_imports_neither_torch_nor_megatron():
     out = check_py(
         """

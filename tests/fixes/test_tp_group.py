@@ -2,11 +2,12 @@
 
 World 2, TP=2, gloo on CPU, models built from an explicit ProcessGroupCollection (parallel_state
 never initialised). Stand-in used: ``mamba_ssm`` (CUDA/Triton kernels that cannot be installed on
-a CPU host), see mcore_ckpt_fixes/scenarios/tp_group.py for exactly what it replaces and why.
+a CPU host), see mcore_ckpt_fixes/testing/standins.py for exactly what it replaces and why.
 """
 
 import pytest
 
+from conftest import check_py
 from mcore_ckpt_fixes.fixes.tp_group import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix, resolve
@@ -28,7 +29,7 @@ def test_registry_declares_every_round_trip():
         "radio_vit": ("raises", "sharded_state_dict", "AssertionError: tensor model parallel group is not initialized"),
     }
     for s in SCENARIOS.values():
-        assert s.nproc == 2 and s.func == f"mcore_ckpt_fixes.scenarios.tp_group:{s.name}"
+        assert s.nproc == 2 and s.func == f"mcore_ckpt_fixes.fixes.tp_group.round_trips:{s.name}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,7 +81,7 @@ def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
 def test_classic_parallel_state_models_identical(tmp_path):
     results = values(
         run_world(
-            "mcore_ckpt_fixes.scenarios.tp_group_classic:classic_models_identical",
+            "mcore_ckpt_fixes.fixes.tp_group.classic_models:classic_models_identical",
             2,
             {"ckpt_dir": str(tmp_path)},
             timeout=240,
@@ -90,3 +91,51 @@ def test_classic_parallel_state_models_identical(tmp_path):
         for name, r in per_model.items():
             assert r["descriptions_equal"] and r["values_equal"], (rank, name, r)
             assert r["n_sharded"] > 0 and r["round_trip_max_delta"] == 0.0, (rank, name, r)
+
+
+# -- import order and spawn, specific to this fix's constructors (the generic lifecycle is tests/engine/test_lifecycle.py)
+
+
+def test_tp_group_takes_hold_in_either_order(mcore_version):
+    """On releases with the bug, the real fix lands whether Megatron comes first or second."""
+    expect = "applied" if mcore_version in FIX.specifiers else "not-needed"
+    for order in ("fixes-first", "megatron-first"):
+        code = """
+import sys
+if ORDER == 'megatron-first':
+    import megatron.core.ssm.mamba_layer
+import mcore_ckpt_fixes
+import megatron.core.ssm.mamba_layer as ml
+from mcore_ckpt_fixes.fixes.tp_group import patch
+state = {r['id']: r for r in mcore_ckpt_fixes.report()}['tp-group']
+patched = ml.MambaLayer.__dict__['__init__'] is patch.mamba_layer_init
+print(state['targets']['megatron.core.ssm.mamba_layer']['state'], patched)
+""".replace("ORDER", repr(order))
+        out = check_py(code).split()
+        assert out == [expect, str(expect == "applied")], (order, out)
+
+
+def test_tp_group_fixed_constructor_in_spawn_child(mcore_version):
+    out = check_py(
+        """
+import multiprocessing as mp, types
+import mcore_ckpt_fixes
+from megatron.core.ssm.mamba_layer import MambaLayer
+
+def child(cls):
+    import types
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    pg = types.SimpleNamespace(tp='the-tp-group')
+    layer = cls(cfg, MambaLayerSubmodules(norm=IdentityOp, mixer=IdentityOp, mamba_bda=IdentityOp), pg_collection=pg)
+    return getattr(layer, 'tp_group', None)
+
+if __name__ == '__main__':
+    with mp.get_context('spawn').Pool(1) as pool:
+        print(pool.apply(child, (MambaLayer,)))
+"""
+    )
+    # Fixed (or never buggy): the child's MambaLayer keeps the group it was given.
+    assert out.strip() == "the-tp-group", out

@@ -4,7 +4,7 @@ Each scenario runs on a world of 2 ranks with TP=2 (``parallel_state`` stays uni
 that is the point), builds a model with rank-dependent deterministic values, saves it with
 ``dist_checkpointing.save``, loads it into a fresh model with other values and requires every
 tensor to come back bit-exact on every rank. They are registered, with the error each one shows
-without the fix, in :mod:`mcore_ckpt_fixes.scenarios`.
+without the fix, in :mod:`.scenarios`.
 
 ``device="cpu"`` (the tests, ``selftest``): a gloo world, the worker's CPU shims, parameters
 initialised on the CPU. ``device="cuda"`` (``selftest --device cuda``): an NCCL world of spawned
@@ -13,37 +13,22 @@ does (``use_cpu_initialization=False``) and moved there whole afterwards (RADIO'
 position embedding are plain CPU tensors at construction). The CUDA path has not been run on a
 GPU by this project's CI: nothing in it is exercised on the CPU hosts the tests run on.
 
-Stand-in for ``mamba_ssm`` (see :func:`install_mamba_ssm_stand_in`): ``MambaMixer`` needs the
-``mamba_ssm`` package, whose Triton/CUDA kernels cannot be installed on a CPU host. Megatron
-imports from it
-
-* ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``: the base class of ``ExtendedRMSNorm``, the
-  mixer's gated norm. Without the package Megatron substitutes a ``MagicMock`` and the norm (with
-  its TP-sharded ``weight``, one of the tensors this fix is about) would not be a real module. The
-  stand-in is a ``torch.nn.Module`` with the same constructor and a ``weight`` Parameter of size
-  ``hidden_size``: exactly what the checkpoint sees of the real one (forward is not provided).
-* the kernels ``mamba_chunk_scan_combined``, ``mamba_split_conv1d_scan_combined`` (and, in 0.16,
-  ``selective_state_update``): only called in forward, which a checkpoint round trip never runs;
-  they raise ``NotImplementedError``.
-
-``causal_conv1d`` is optional in every release (Megatron falls back to ``None``), so it is not
-stood in for. Everything else (MambaStack, MambaLayer, MambaMixer, ExtendedRMSNorm's
-``sharded_state_dict``, the parallel linears, RADIOViTModel, dist_checkpointing) is the real code.
+``mamba_ssm`` is stood in for (:mod:`mcore_ckpt_fixes.testing.standins` says exactly what and
+why); everything else (MambaStack, MambaLayer, MambaMixer, ExtendedRMSNorm's ``sharded_state_dict``,
+the parallel linears, RADIOViTModel, dist_checkpointing) is the real code.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
-import traceback
-import types
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..testing.standins import install_mamba_ssm_stand_in  # noqa: F401  (prepare hooks, conftest)
-from ..testing.states import fix_states
+from ...testing.result import RoundTrip
+from ...testing.standins import install_mamba_ssm_stand_in
+from ...testing.states import fix_states
 
 TP = 2
 HIDDEN = 64
@@ -135,48 +120,37 @@ def _fix_states(patched, modules):
 
 
 def _round_trip(build, ckpt_dir, pgs, patched, modules, device="cpu"):
-    """build(seed) -> model. Returns the result dict of the scenario contract."""
+    """build(seed) -> model: saved, loaded into a fresh model with other values, compared."""
     from megatron.core import dist_checkpointing
 
     tp_rank = pgs.tp.rank()
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "device": str(_device(device))}
+    rt = RoundTrip(device=str(_device(device)))
     metadata = {"dp_cp_group": pgs.dp_cp}
-    phase = "build"
-    try:
+    with rt.running():  # ranks fail alike here, before any collective: no hang
+        rt.phase("build")
         saved = _place(build(SAVE_SEED), device)
         _fill(saved, SAVE_SEED, tp_rank)
         _check_device(saved, device)
-        phase = "precondition"  # after build: the fix's targets are probed when first imported
-        result["fix_state"] = _fix_states(patched, modules)
-        phase = "sharded_state_dict"
+        rt.phase("precondition")  # after build: the fix's targets are probed when first imported
+        rt["fix_state"] = _fix_states(patched, modules)
+        rt.phase("sharded_state_dict")
         sd = saved.sharded_state_dict(prefix="", metadata=metadata)
-        phase = "save"
+        rt.phase("save")
         dist_checkpointing.save(sd, ckpt_dir)
         dist.barrier()
-        phase = "build_fresh"
+        rt.phase("build_fresh")
         fresh = _place(build(FRESH_SEED), device)
         _fill(fresh, FRESH_SEED, tp_rank)
         before, after = _tensors(saved), _tensors(fresh)
         assert before.keys() == after.keys(), f"state_dict keys differ: {sorted(before.keys() ^ after.keys())}"
         same = [k for k, t in before.items() if t.is_floating_point() and t.numel() and torch.equal(t, after[k])]
         assert not same, f"fresh model already equals the saved one on {same}: the check would be vacuous"
-        phase = "load"
+        rt.phase("load")
         loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
         fresh.load_state_dict(loaded)
-        phase = "compare"
-        after = _tensors(fresh)
-        result["n_tensors"] = len(before)
-        result["max_delta"] = {
-            k: float((before[k].double() - after[k].double()).abs().max()) if before[k].numel() else 0.0
-            for k in sorted(before)
-        }
-        bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
+        bad = rt.compare(before, _tensors(fresh))
         assert not bad, f"tensors differ after load: {bad}"
-    except Exception as exc:  # first failure, reported with its phase (ranks fail alike: no hang)
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
-    return result
+    return rt.result
 
 
 def _check_device(model, device):

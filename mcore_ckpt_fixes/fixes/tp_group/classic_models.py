@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import tp_group as explicit
+from . import round_trips as explicit
 
 
 def _describe(sd):

@@ -1,28 +1,6 @@
-"""tp-group: models built with explicit process groups can build their sharded state dict.
+"""tp-group's monkeypatch: wrappers that store the groups where upstream 0.19 does, the probes, apply.
 
-Affected: Megatron-Core 0.16.0 - 0.18.x. Fixed upstream in 0.19.0 (NVIDIA/Megatron-LM, the
-"store tp_group on MambaLayer / RADIOViTModel, pass groups in MambaMixer.sharded_state_dict"
-changes that shipped with 0.19).
-
-Failure prevented: a model built with a ``ProcessGroupCollection`` and no ``parallel_state`` (how
-heterogeneous MIMO builds its encoders) dies in ``sharded_state_dict()`` with
-``AssertionError: tensor model parallel group is not initialized``, because
-
-* ``MambaLayer.__init__`` and ``RADIOViTModel.__init__`` never store ``self.tp_group``, so
-  ``MegatronModule.sharded_state_dict`` falls back to ``parallel_state``;
-* ``RADIOViTModel`` builds its patch embedder (a ``ColumnParallelLinear``) without ``tp_group``:
-  with ``parallel_state`` uninitialised the embedder is quietly built unsharded (full size on every
-  rank), and once the model has a ``tp_group`` the save fails with ``Invalid access pattern`` for
-  ``embedder.weight``;
-* ``MambaMixer`` leaves its ``ExtendedRMSNorm`` without a group and calls
-  ``make_sharded_tensors_for_checkpoint`` (the name bound in ``megatron.core.ssm.mamba_mixer``)
-  without ``tp_group`` / ``dp_cp_group``.
-
-How: wrap the three constructors so the group from ``pg_collection`` (found by binding the call to
-the original signature: its position differs between releases) is stored where upstream 0.19 stores
-it; for the two calls made without a group, a context variable carries the caller's groups into a
-replacement bound *only* in the namespace of the module that makes the call. A model built the
-classic way gets the same groups ``parallel_state`` would have given, so it behaves identically.
+See the package docstring for the bug; :mod:`.upstream` for the same change as source edits.
 """
 
 from __future__ import annotations
@@ -31,14 +9,8 @@ import contextvars
 import sys
 import types
 
-from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, mark, original
-
-ID = "tp-group"
-
-LAYER = "megatron.core.ssm.mamba_layer"
-MIXER = "megatron.core.ssm.mamba_mixer"
-RADIO = "megatron.core.models.vision.radio"
+from ...engine.patching import Patcher, mark, original
+from . import ID, LAYER, MIXER, RADIO
 
 # Groups of the MambaMixer / RADIOViTModel currently inside the patched call (None outside).
 _MIXER_GROUPS = contextvars.ContextVar(  # (tp_group, dp_cp_group) or None
@@ -260,16 +232,3 @@ def apply_radio(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace(module.RADIOViTModel, "__init__", radio_vit_init)
     # Namespace-local: only RADIO's own embedder construction goes through the replacement.
     patcher.replace(module, "ColumnParallelLinear", radio_column_parallel_linear)
-
-
-FIX = Fix(
-    id=ID,
-    summary="models built with explicit process groups (pg_collection) can build their sharded state dict",
-    affected=">=0.16.0,<0.19.0",
-    upstream=("fixed upstream in Megatron-Core 0.19.0 (mamba_layer.py, mamba_mixer.py, radio.py)",),
-    targets=(
-        Target(LAYER, probe_mamba_layer, apply_mamba_layer),
-        Target(MIXER, probe_mamba_mixer, apply_mamba_mixer),
-        Target(RADIO, probe_radio, apply_radio),
-    ),
-)

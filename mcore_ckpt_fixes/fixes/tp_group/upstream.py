@@ -1,18 +1,22 @@
-"""Write patches/tp-group/<release>.patch from pristine Megatron-Core sources.
+"""tp-group as upstream writes it: the lines the source diffs add to a 0.16-0.18 release.
 
-The edits mirror mcore_ckpt_fixes/fixes/tp_group.py (the monkeypatch) line for line in effect;
-tests/patches/test_source_patches.py checks that the patched source satisfies every probe of that
-fix and round-trips with the monkeypatch off, so the two cannot drift apart silently.
+Upstream's own shape of the fix (what 0.19 does): ``MambaLayer`` and ``RADIOViTModel`` keep
+``pg_collection.tp`` as ``self.tp_group``, ``MambaMixer`` hands its group to its gated norm and
+passes ``tp_group`` / ``dp_cp_group`` to ``make_sharded_tensors_for_checkpoint``, and RADIO builds
+its patch embedder over the model's TP group. The monkeypatch (:mod:`.patch`) has the same effect
+from outside the classes; tests/patches checks that the patched source satisfies every probe of
+this fix and round-trips with the monkeypatch off, so the two cannot drift apart silently.
 
-    python tools/patchgen/tp_group.py SRC_ROOT RELEASE > patches/tp-group/RELEASE.patch
-SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+    python tools/patchgen tp-group SRC_ROOT RELEASE > patches/tp-group/RELEASE.patch
 """
 
-import sys
+from __future__ import annotations
 
-from _diff import write_diff
+from ...sourcediff import Replace
 
-FILES = {
+# Each anchor must occur exactly once; ``{indent}`` edits (RADIO's embedder arguments, whose
+# indentation differs between releases) apply at every occurrence.
+EDITS = {
     "megatron/core/ssm/mamba_layer.py": [
         (
             '        assert pg_collection is not None, "pg_collection must be provided for MambaLayer"\n',
@@ -54,34 +58,10 @@ FILES = {
 }
 
 
-def patch_text(text: str, edits) -> str:
-    for old, new in edits:
-        count = text.count(old)
-        if count == 0:
-            raise SystemExit(f"patchgen: anchor not found: {old!r}")
-        if "{indent}" in new:
-            out, pos = [], 0
-            while True:
-                at = text.find(old, pos)
-                if at < 0:
-                    out.append(text[pos:])
-                    break
-                line_start = text.rfind("\n", 0, at) + 1
-                indent = text[line_start:at]
-                out.append(text[pos:at] + new.replace("{indent}", indent))
-                pos = at + len(old)
-            text = "".join(out)
-        else:
-            if count != 1:
-                raise SystemExit(f"patchgen: anchor not unique ({count}): {old!r}")
-            text = text.replace(old, new)
-    return text
-
-
-def main(src_root: str, release: str) -> None:
-    for rel_path, edits in FILES.items():
-        write_diff(src_root, rel_path, lambda text, edits=edits: patch_text(text, edits))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+def source_edits(release: str) -> list:
+    """The same edits on every affected release line (0.16, 0.17, 0.18)."""
+    return [
+        Replace(path, old, new, every="{indent}" in new)
+        for path, edits in EDITS.items()
+        for old, new in edits
+    ]
