@@ -12,11 +12,12 @@ tests read one shape and one error policy::
         rt.compare(expected, loaded)
     return rt.result
 
-Error policy: an ``Exception`` or ``SystemExit`` inside ``running()`` ends the round trip and is
-recorded (``error`` = one line ``"Type: message"``, ``raw_error`` the full text, ``phase``,
-``traceback``); the rank still returns its result, so every rank reports what broke instead of the
-world dying on the first one. ``KeyboardInterrupt`` (and the launcher's deadline) are not results:
-they propagate.
+Error policy: any exception inside ``running()`` ends the round trip and is recorded (``error`` =
+one line ``"Type: message"``, ``raw_error`` the full text, ``phase``, ``traceback``); the rank still
+returns its result, so every rank reports what broke instead of the world dying on the first one.
+That includes ``BaseException`` subclasses: torch DCP's ``CheckpointException`` (every rank's
+failure of a save or load) derives from ``BaseException``, and Megatron calls ``sys.exit`` in places.
+Only ``KeyboardInterrupt`` and ``GeneratorExit`` propagate (the launcher's deadline kills the rank).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class RoundTrip:
     def running(self):
         try:
             yield self
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+                raise
             self.record(exc)
 
     def record(self, exc, phase=None) -> None:
