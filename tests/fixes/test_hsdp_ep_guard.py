@@ -12,11 +12,12 @@ import types
 
 import pytest
 
-from mcore_ckpt_fixes.fixes.hsdp_ep_guard import FIX, refusal
+from mcore_ckpt_fixes.fixes.hsdp_ep_guard import FIX
+from mcore_ckpt_fixes.fixes.hsdp_ep_guard.upstream import refusal
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.scenarios.hsdp_ep_guard"
+SC = "mcore_ckpt_fixes.fixes.hsdp_ep_guard.round_trips"
 MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
 SCENARIO = for_fix(FIX.id)[0]
 ACCEPTED = {f"{c}/{t}": 0.0 for c in ("ep2", "hsdp") for t in ("dense", "expert")}
@@ -36,7 +37,7 @@ def test_registry():
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     """Both halves, once each (4-rank worlds are the expensive part of this file)."""
-    from mcore_ckpt_fixes.scenarios.hsdp_ep_guard import prepare
+    from mcore_ckpt_fixes.fixes.hsdp_ep_guard.round_trips import prepare
 
     prepare()
     out = {}
@@ -130,9 +131,9 @@ def test_real_constructor_refuses_before_building_anything(mcore_version):
 
 def test_probe(mcore_version):
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as m
-    from mcore_ckpt_fixes.fixes import hsdp_ep_guard
+    from mcore_ckpt_fixes.fixes.hsdp_ep_guard import patch
 
-    verdict, why = hsdp_ep_guard.probe(m)  # the release's own method, even after apply
+    verdict, why = patch.probe(m)  # the release's own method, even after apply
     if mcore_version in FIX.specifiers:
         assert (verdict, why) == (True, "HSDP with EP > 1 builds no expert mesh: experts are sharded on the dense data-parallel mesh")
     else:

@@ -8,7 +8,7 @@ Configurations, in this order (each with ``parallel_state.initialize_model_paral
 * ``hsdp_ep2``: EP=2 and HSDP. 0.16 builds no expert mesh: the scenario finds the expert
   parameters placed on the dense data-parallel mesh (the documented bug, reported as an
   ``AssertionError`` in phase ``placement``); with the guard, set-up refuses with
-  :func:`mcore_ckpt_fixes.fixes.hsdp_ep_guard.refusal` (exactly that line: the expected outcome, not
+  :func:`mcore_ckpt_fixes.fixes.hsdp_ep_guard.upstream.refusal` (exactly that line: the expected outcome, not
   an error); 0.17+ builds an expert mesh and the round trip runs.
 
 What is real: ``parallel_state``, ``FullyShardedDataParallel._init_dist_index`` (the first step of
@@ -24,21 +24,22 @@ up; a refused configuration contributes none and is listed under ``refused``.
 from __future__ import annotations
 
 import os
-import traceback
 import types
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..testing.states import fix_states
+from ...testing.result import RoundTrip
+from ...testing.states import fix_states
+from . import ID as FIX_ID
+from . import MODULE as _MODULE
+from .scenarios import DENSE_MESH
+from .upstream import refusal
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 NUM_EXPERTS, ROWS, COLS = 4, 6, 3
 CONFIGS = (("ep2", 2, 1), ("hsdp", 1, 2), ("hsdp_ep2", 2, 2))  # name, EP, optimizer instances
-_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
-FIX_ID = "hsdp-ep-guard"
-DENSE_MESH = "expert parameters are sharded on the dense data-parallel mesh, not over their expert-data-parallel ranks"
 
 
 def prepare() -> None:
@@ -66,7 +67,7 @@ def _setup(ep, instances):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from ..testing.meshes import cpu_device_meshes
+    from ...testing.meshes import cpu_device_meshes
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep, num_distributed_optimizer_instances=instances)
     ddp_config = DistributedDataParallelConfig(
@@ -96,6 +97,8 @@ def _param(index, full, is_expert):
 
 
 def _round_trip(name, index, ep_rank, ckpt_dir):
+    """Save this configuration's dense and expert parameter with DCP, load them into fresh ones:
+    (what each rank saved, what it loaded back), keyed ``<config>/dense`` and ``<config>/expert``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -111,56 +114,54 @@ def _round_trip(name, index, ep_rank, ckpt_dir):
     dist.barrier()
     fresh, _, _ = build(FRESH_SEED)
     dcp.load(fresh, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=False))
-    got = {f"{name}/dense": fresh["dense"].to_local(), f"{name}/expert": fresh[key].to_local()}
-    return {k: float((expected[k] - got[k]).abs().max()) if expected[k].numel() else 0.0 for k in expected}
+    return expected, {f"{name}/dense": fresh["dense"].to_local(), f"{name}/expert": fresh[key].to_local()}
+
+
+def _configuration(rt, name, ep, instances, ckpt_dir):
+    """Set up one configuration's meshes, check where its parameters are placed and round-trip them;
+    a set-up refused with exactly the guard's line is recorded under ``refused`` (the expected
+    outcome of HSDP x EP with the guard), any other refusal is a failure."""
+    from megatron.core import parallel_state as ps
+
+    rt.phase(f"setup:{name}")
+    try:
+        index, edp, dp, ep_rank = _setup(ep, instances)
+    except ValueError as exc:
+        if str(exc) != refusal(instances, ep) or ep == 1 or instances == 1:
+            raise
+        rt["refused"][name] = str(exc)
+        ps.destroy_model_parallel()
+        return
+    rt.phase("placement")
+    meshes = {"dense": _ranks(index.device_mesh), "expert": _ranks(index.expt_device_mesh),
+              "dense_dp_group": dp, "expert_dp_group": edp}
+    rt["meshes"][name] = meshes
+    assert meshes["dense"] == dp, f"{name}: dense parameters are not sharded over the data-parallel ranks: {meshes}"
+    assert meshes["expert"] == edp, f"{name}: {DENSE_MESH}"
+    rt.phase(f"round_trip:{name}")
+    rt.compare(*_round_trip(name, index, ep_rank, ckpt_dir))
+    ps.destroy_model_parallel()
 
 
 def configurations(rank, world_size, ckpt_dir, patched, device="cpu"):
     from megatron.core import parallel_state as ps
 
-    from mcore_ckpt_fixes.fixes.hsdp_ep_guard import refusal
-
     if device != "cpu":
         raise ValueError("hsdp-ep-guard scenarios run on CPU (gloo) only")
     assert world_size == 4, f"hsdp-ep-guard needs 4 ranks (HSDP x EP=2), got {world_size}"
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "device": "cpu",
-              "refused": {}, "meshes": {}}
-    phase = "precondition"
+    rt = RoundTrip(device="cpu", refused={}, meshes={})
     try:
-        result["fix_state"] = _fix_state(patched)
-        for name, ep, instances in CONFIGS:
-            phase = f"setup:{name}"
-            try:
-                index, edp, dp, ep_rank = _setup(ep, instances)
-            except ValueError as exc:
-                if str(exc) != refusal(instances, ep) or ep == 1 or instances == 1:
-                    raise
-                result["refused"][name] = str(exc)
-                ps.destroy_model_parallel()
-                continue
-            phase = "placement"
-            meshes = {"dense": _ranks(index.device_mesh), "expert": _ranks(index.expt_device_mesh),
-                      "dense_dp_group": dp, "expert_dp_group": edp}
-            result["meshes"][name] = meshes
-            assert meshes["dense"] == dp, f"{name}: dense parameters are not sharded over the data-parallel ranks: {meshes}"
-            assert meshes["expert"] == edp, f"{name}: {DENSE_MESH}"
-            phase = f"round_trip:{name}"
-            result["max_delta"].update(_round_trip(name, index, ep_rank, ckpt_dir))
-            ps.destroy_model_parallel()
-        result["n_tensors"] = len(result["max_delta"])
-        bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
-        phase = "compare"
-        assert not bad, f"tensors differ after load: {bad}"
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
-        result["n_tensors"] = len(result["max_delta"])
+        with rt.running_dcp():  # DCP's CheckpointException derives from BaseException
+            rt.phase("precondition")
+            rt["fix_state"] = _fix_state(patched)
+            for name, ep, instances in CONFIGS:
+                _configuration(rt, name, ep, instances, ckpt_dir)
+            rt.phase("compare")
+            bad = rt.differing()
+            assert not bad, f"tensors differ after load: {bad}"
     finally:
         ps.destroy_model_parallel()
-    return result
+    return rt.result
 
 
 def expert_meshes_exist():

@@ -1,21 +1,6 @@
-"""hsdp-ep-guard: refuse Megatron-FSDP with HSDP and expert parallelism on Megatron-Core 0.16.
-
-Affected: Megatron-Core 0.16.x. Upstream 0.17.0 builds an expert device mesh for HSDP
-(``FullyShardedDataParallel._init_dist_index`` in ``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py``
-reads the partial expert-data-parallel groups and passes ``expt_device_mesh`` / ``hybrid_fsdp_expt_group``
-to ``FSDPDistributedIndex``). This is a guard, not a backport.
-
-Failure prevented: with ``use_megatron_fsdp``, ``num_distributed_optimizer_instances > 1`` (HSDP) and
-``expert_model_parallel_size > 1``, 0.16's ``_init_dist_index`` takes its HSDP branch, which never
-looks at the expert groups: ``FSDPDistributedIndex`` gets no expert mesh and falls back to the dense
-data-parallel mesh, so each EP rank's experts are sharded (and gradients reduced, and checkpoints
-described) as if they were one tensor spread over ranks that hold *other* experts. Nothing fails; the
-model trains and checkpoints wrongly. The guard raises one clear ``ValueError`` at setup instead, in
-``FullyShardedDataParallel.__init__`` (its first step builds the meshes), naming the settings and what
-is accepted. Every other configuration goes through the original code untouched.
-
-0.16 wheels do not ship ``megatron/training``: the guard sits in ``megatron.core`` (the adapter every
-Megatron-FSDP user of 0.16, Megatron-LM's training loop included, constructs).
+"""hsdp-ep-guard's monkeypatch: the probe (the release's own ``_init_dist_index`` on inert stand-ins)
+and ``_init_dist_index`` with the guard in front. Imported only when the adapter module is; the
+declaration and why are in the package's docstring (:mod:`mcore_ckpt_fixes.fixes.hsdp_ep_guard`).
 """
 
 from __future__ import annotations
@@ -23,23 +8,11 @@ from __future__ import annotations
 import sys
 import types
 
-from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, is_replacement, mark, original
+from ...engine.patching import Patcher, is_replacement, mark, original
+from . import ID, MODULE
+from .upstream import refusal
 
-ID = "hsdp-ep-guard"
-MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
 CLASS = "FullyShardedDataParallel"
-
-
-def refusal(instances, ep_size):
-    """The guard's message (one line; patches/hsdp-ep-guard/ raises the same text)."""
-    return (
-        f"Megatron-FSDP with num_distributed_optimizer_instances={instances} (HSDP) and "
-        f"expert_model_parallel_size={ep_size} is not supported by this Megatron-Core: it would shard "
-        f"the expert parameters on the dense data-parallel mesh. Accepted: "
-        f"num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1 "
-        f"with HSDP (Megatron-Core >= 0.17 supports both together)"
-    )
 
 
 def _ep_size(pg_collection):
@@ -154,12 +127,3 @@ def probe(module: types.ModuleType):
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace(getattr(module, CLASS), "_init_dist_index", init_dist_index)
-
-
-FIX = Fix(
-    id=ID,
-    summary="Megatron-FSDP with HSDP and EP > 1 is refused at setup instead of sharding experts on the dense mesh",
-    affected=">=0.16.0,<0.17.0",
-    upstream=("supported upstream from Megatron-Core 0.17.0 (mcore_fsdp_adapter.py builds an HSDP expert mesh)",),
-    targets=(Target(MODULE, probe, apply),),
-)

@@ -1,31 +1,40 @@
-"""Write patches/hsdp-ep-guard/<release>.patch (0.16.x) from pristine Megatron-Core sources.
+"""hsdp-ep-guard as Megatron-Core 0.16.x would carry it: the guard's message and the source edit of
+patches/hsdp-ep-guard/<release>.patch (0.16.x).
 
-The diff puts the guard of mcore_ckpt_fixes/fixes/hsdp_ep_guard.py at the top of
-``FullyShardedDataParallel._init_dist_index`` in
+The diff puts the guard at the top of ``FullyShardedDataParallel._init_dist_index`` in
 ``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py``: with HSDP
 (``num_distributed_optimizer_instances > 1``) and an expert-parallel size > 1 it raises the same
-``ValueError`` line as the monkeypatch (the text comes from ``hsdp_ep_guard.refusal``).
+``ValueError`` line as the monkeypatch (both take the text from :func:`refusal`).
 tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
 that its scenario is exact with the monkeypatch off.
 
-    python tools/patchgen/hsdp_ep_guard.py SRC_ROOT RELEASE > patches/hsdp-ep-guard/RELEASE.patch
+    python tools/patchgen hsdp-ep-guard SRC_ROOT RELEASE > patches/hsdp-ep-guard/RELEASE.patch
+
+Imports no torch or megatron: ``tools/patchgen`` and the monkeypatch (:mod:`.patch`) both import it.
 """
 
-import os
-import sys
+from __future__ import annotations
 
-from _diff import write_diff
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from mcore_ckpt_fixes.fixes.hsdp_ep_guard import refusal  # noqa: E402  (imports no torch/megatron)
+from ...sourcediff import insert_after
 
 TARGET = "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py"
 ANCHOR = "        enable_hsdp = self.ddp_config.num_distributed_optimizer_instances > 1\n"
 
 
+def refusal(instances, ep_size):
+    """The guard's message (one line; patches/hsdp-ep-guard/ raises the same text)."""
+    return (
+        f"Megatron-FSDP with num_distributed_optimizer_instances={instances} (HSDP) and "
+        f"expert_model_parallel_size={ep_size} is not supported by this Megatron-Core: it would shard "
+        f"the expert parameters on the dense data-parallel mesh. Accepted: "
+        f"num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1 "
+        f"with HSDP (Megatron-Core >= 0.17 supports both together)"
+    )
+
+
 def guard_code() -> str:
+    """The guard as the release's own code: :func:`refusal`'s text as an f-string of the release's
+    variables, so the diff raises exactly the monkeypatch's line."""
     text = refusal("{self.ddp_config.num_distributed_optimizer_instances}", "{ep_size}")
     words, lines, line = text.split(" "), [], ""
     for w in words:  # wrap the f-string at ~80 columns, as upstream formats its messages
@@ -51,15 +60,6 @@ def guard_code() -> str:
     )
 
 
-def patch_text(text: str) -> str:
-    if text.count(ANCHOR) != 1:
-        raise SystemExit(f"patchgen: {TARGET}: anchor not found exactly once: {ANCHOR!r}")
-    return text.replace(ANCHOR, ANCHOR + guard_code())
-
-
-def main(src_root: str, release: str) -> None:
-    write_diff(src_root, TARGET, patch_text)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+def source_edits(release: str) -> list:
+    """The guard right after ``enable_hsdp`` is computed (the same in every 0.16.x release)."""
+    return [insert_after(TARGET, ANCHOR, guard_code())]
