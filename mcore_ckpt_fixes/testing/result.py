@@ -65,18 +65,6 @@ class RoundTrip:
                 raise
             self.record(exc)
 
-    @contextlib.contextmanager
-    def running_dcp(self):
-        """:meth:`running` for round trips through torch DCP: its ``CheckpointException`` (which
-        carries every rank's failure) derives from ``BaseException``, yet is this round trip's
-        failure like any other and is recorded, not propagated."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            yield self
-        except (Exception, SystemExit, CheckpointException) as exc:
-            self.record(exc)
-
     def record(self, exc, phase=None) -> None:
         """Record ``exc`` as this round trip's failure (in ``phase``, default the current one)."""
         if self.result["error"] is not None:
