@@ -4,23 +4,24 @@ dist_checkpointing save/load; plus unit tests of the layout computation, bad inp
 
 No stand-ins: MoELayer / SequentialMLP / MLP, FSDP2 and dist_checkpointing are the real ones.
 Megatron's ``TorchFullyShardedDataParallel`` is not called (it hard-codes a CUDA mesh); the
-scenarios do what it does around ``fully_shard`` (see mcore_ckpt_fixes/scenarios/dtensor_placement.py).
+scenarios do what it does around ``fully_shard`` (see mcore_ckpt_fixes/fixes/dtensor_placement/round_trips.py).
 """
 
 import pytest
 import torch
 
 from conftest import check_py
-from mcore_ckpt_fixes.fixes import dtensor_placement as dp
 from mcore_ckpt_fixes.fixes.dtensor_placement import FIX
+from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement.scenarios import DTP_TP_FSDP
+from mcore_ckpt_fixes.testing import for_fix
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import DTP_TP_FSDP, for_fix
 
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXPERT_KEYS = [f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight")]
 
 
-HELPER_KEYS = sorted(name for name, _, _ in __import__("mcore_ckpt_fixes.scenarios.dtensor_placement", fromlist=["x"]).HELPER_CASES)
+HELPER_KEYS = sorted(name for name, _, _ in __import__("mcore_ckpt_fixes.fixes.dtensor_placement.round_trips", fromlist=["x"]).HELPER_CASES)
 
 
 def test_registry_declares_every_round_trip(mcore_version):
@@ -40,7 +41,7 @@ def test_registry_declares_every_round_trip(mcore_version):
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    from mcore_ckpt_fixes.scenarios.dtensor_placement import prepare
+    from mcore_ckpt_fixes.fixes.dtensor_placement.round_trips import prepare
 
     prepare()
 
@@ -272,7 +273,7 @@ keep = {'early': make_sharded_tensor_for_checkpoint, 'early_tp': make_tp_sharded
 import megatron.core.transformer.utils as tu
 import megatron.core.tensor_parallel.layers as tl
 import mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes import dtensor_placement as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
 assert {r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['dtensor-placement'] == 'applied'
 for mod in (mu, tu):
     assert mod.make_sharded_tensor_for_checkpoint is dp.make_sharded_tensor_for_checkpoint, mod
@@ -293,7 +294,7 @@ def test_binding_made_while_applied_behaves_as_reverted_after_revert():
 import mcore_ckpt_fixes
 import megatron.core.utils as mu
 import megatron.core.transformer.utils as tu
-from mcore_ckpt_fixes.fixes import dtensor_placement as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
 assert tu.make_sharded_tensor_for_checkpoint is dp.make_sharded_tensor_for_checkpoint
 g = dict(tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(4, 3))
 assert tu.make_sharded_tensor_for_checkpoint(dp.probe_dtensor(), 'k', **g).global_shape == (4, 3)

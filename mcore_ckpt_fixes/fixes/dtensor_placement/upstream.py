@@ -1,6 +1,7 @@
-"""Write patches/dtensor-placement/<release>.patch from pristine Megatron-Core sources.
+"""dtensor-placement as Megatron-Core would carry it: the code of patches/dtensor-placement/<release>.patch
+and its source edits, per release.
 
-The edits mirror mcore_ckpt_fixes/fixes/dtensor_placement.py (the monkeypatch) in effect:
+The edits mirror the monkeypatch (:mod:`.patch`) in effect:
 
 * megatron/core/utils.py (0.12-0.19; on 0.12-0.15 the helpers read parallel_state, so the TP rank
   does too): a DTensor the release's helper treats as one (every DTensor up to 0.18;
@@ -11,22 +12,27 @@ The edits mirror mcore_ckpt_fixes/fixes/dtensor_placement.py (the monkeypatch) i
 * megatron/core/transformer/moe/experts.py: SequentialMLP keeps the replica index of those shards
   (tagged ``is_torch_fsdp2_param``) instead of overwriting it with the expert-DP rank.
 
+``_dtensor_shard_for_checkpoint`` is written as the release's own code (it uses ``ShardedTensor``,
+``Shard`` and ``is_torch_min_version`` as ``megatron/core/utils.py`` imports them); the monkeypatch
+computes the same layout with :func:`.patch.dtensor_layout` and :func:`.patch.build_sharded_tensor`.
 tests/patches/test_source_patches.py checks that the patched source satisfies every probe of the
 fix and round-trips with the monkeypatch off.
 
-    python tools/patchgen/dtensor_placement.py SRC_ROOT RELEASE > patches/dtensor-placement/RELEASE.patch
-SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+    python tools/patchgen dtensor-placement SRC_ROOT RELEASE > patches/dtensor-placement/RELEASE.patch
+
+SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...). Imports no torch or megatron.
 """
 
-import sys
+from __future__ import annotations
 
-from _diff import write_diff
+from ...sourcediff import PatchgenError, Transform, insert_after
 
 UTILS = "megatron/core/utils.py"
 EXPERTS = "megatron/core/transformer/moe/experts.py"
 TAG_TEST = 'hasattr(tensor, "is_torch_fsdp2_param")'
 
-HELPER = '''def _dtensor_shard_for_checkpoint(
+# The helper the diff adds to megatron/core/utils.py, before make_tp_sharded_tensor_for_checkpoint.
+HELPER_CODE = '''def _dtensor_shard_for_checkpoint(
     tensor, key, prepend_offsets, tp_axis, tp_rank, tp_size, tp_replica, replica_id, kwargs
 ):
     """ShardedTensor of a DTensor's local shard, placed by the DTensor's own mesh and placements.
@@ -134,6 +140,7 @@ LEGACY_ANCHOR = "    dp_replica_id = parallel_state.get_data_parallel_rank(with_
 
 
 def _branch(tag, call):
+    """The DTensor branch each helper gets right after its dense-DP replica id is computed."""
     cond = "HAVE_DTENSOR and isinstance(tensor, DTensor)" + (f" and {TAG_TEST}" if tag else "")
     return (
         f"\n    if {cond}:\n"
@@ -147,15 +154,17 @@ def _branch(tag, call):
 
 
 def _insert_after(text, func, anchor, insert):
+    """``insert`` after ``anchor``, searched inside function ``func`` only (both helpers share it)."""
     start = text.index(f"\ndef {func}(")
     at = text.index(anchor, start) + len(anchor)
     end = text.find("\ndef ", start + 1)
     if end != -1 and at > end:
-        raise SystemExit(f"patchgen: anchor not found in {func}: {anchor!r}")
+        raise PatchgenError(f"anchor not found in {func}: {anchor!r}")
     return text[:at] + insert + text[at:]
 
 
 def patch_utils(text):
+    """megatron/core/utils.py: the DTensor branch in both helpers, and the helper they call."""
     tag = TAG_TEST in text  # 0.19 enters its DTensor branch only for tagged tensors
     legacy = ANCHOR not in text
     anchor = LEGACY_ANCHOR if legacy else ANCHOR
@@ -180,27 +189,18 @@ def patch_utils(text):
         ),
     )
     at = text.index("\ndef make_tp_sharded_tensor_for_checkpoint(") + 1
-    return text[:at] + HELPER + text[at:]
+    return text[:at] + HELPER_CODE + text[at:]
 
 
-def patch_experts(text):
-    old = "            for k, sh_ten in expert_state_dict.items():\n"
-    if text.count(old) != 1:
-        raise SystemExit(f"patchgen: anchor not unique: {old!r}")
-    new = (
-        old + '                if getattr(sh_ten, "is_torch_fsdp2_param", False):\n'
-        "                    continue  # described from its DTensor's mesh, replica index included\n"
-    )
-    return text.replace(old, new)
+# SequentialMLP.sharded_state_dict's loop over its experts' ShardedTensors (every release).
+EXPERTS_ANCHOR = "            for k, sh_ten in expert_state_dict.items():\n"
+EXPERTS_SKIP = (
+    '                if getattr(sh_ten, "is_torch_fsdp2_param", False):\n'
+    "                    continue  # described from its DTensor's mesh, replica index included\n"
+)
 
 
-FILES = {UTILS: patch_utils, EXPERTS: patch_experts}
-
-
-def main(src_root: str, release: str) -> None:
-    for rel_path, edit in FILES.items():
-        write_diff(src_root, rel_path, edit)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+def source_edits(release: str) -> list:
+    """The same edits for every release: :func:`patch_utils` reads from the file which helper
+    signatures (groups or parallel_state) and DTensor test (tagged or not) the release has."""
+    return [Transform(UTILS, patch_utils), insert_after(EXPERTS, EXPERTS_ANCHOR, EXPERTS_SKIP)]

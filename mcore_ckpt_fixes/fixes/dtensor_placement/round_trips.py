@@ -29,18 +29,22 @@ line DCP wrapped (DCP's own message concatenates every rank's traceback).
 
 from __future__ import annotations
 
-import traceback
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..testing.states import fix_states
+from ...testing.compare import max_abs_delta
+from ...testing.meshes import cpu_mesh as _mesh
+from ...testing.result import RoundTrip
+from ...testing.states import fix_states
+from . import EXPERTS as _EXPERTS_MODULE
+from . import ID as FIX_ID
+from . import UTILS as _UTILS_MODULE
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 HIDDEN, FFN, EXPERTS = 8, 12, 4
-FIX_ID = "dtensor-placement"
-_TARGETS = ("megatron.core.utils", "megatron.core.transformer.moe.experts")
+_TARGETS = (_UTILS_MODULE, _EXPERTS_MODULE)
 
 
 def prepare() -> None:
@@ -93,12 +97,6 @@ def _pgs(tp, ep):
         "edp": (edp_groups, pgs.expt_dp),
     }
     return pgs, meshes, dp
-
-
-def _mesh(group):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, "cpu")
 
 
 def _config(tp=1, **extra):
@@ -193,13 +191,7 @@ def validate(sharded_sd):
 
 
 class ValidationFailed(Exception):
-    pass
-
-
-def _dcp_exception():
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
+    """Megatron's validation rejected the sharding (its one-line verdict is the message)."""
 
 
 _CKPT_EXC = "megatron.core.dist_checkpointing.core.CheckpointingException: "
@@ -217,57 +209,76 @@ def _error_line(exc):
     return f"{type(exc).__name__}: {text}"
 
 
+def _save(rt, build, ckpt_dir, metadata):
+    """Build, validate and save the model of seed SAVE_SEED; returns its local tensors. A sharding
+    Megatron rejects stops here with one line (``raw_error``: Megatron's own messages)."""
+    from megatron.core import dist_checkpointing
+
+    rt.phase("build")
+    saved = build(SAVE_SEED)
+    before = _local_tensors(saved)
+    rt.phase("sharded_state_dict")
+    sd = saved.sharded_state_dict(prefix="", metadata=metadata)
+    rt.phase("validate")
+    failed = validate(sd)
+    if failed is not None:
+        rt["raw_error"] = failed[1]
+        raise ValidationFailed(failed[0])
+    rt.phase("save")
+    dist_checkpointing.save(sd, ckpt_dir)
+    dist.barrier()
+    return before
+
+
+def _load_in_place(rt, build, ckpt_dir, metadata, before):
+    """Load into a fresh model of the same layout (other values); returns max delta per tensor."""
+    from megatron.core import dist_checkpointing
+
+    rt.phase("build_fresh")
+    fresh = build(FRESH_SEED)
+    assert not any(torch.equal(t, _local_tensors(fresh)[k]) for k, t in before.items() if t.numel()), "vacuous"
+    rt.phase("load")
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
+    deltas = {}
+    for k, want in before.items():
+        got = loaded[k]
+        _local(fresh.state_dict()[k]).data.copy_(got)  # what load_state_dict does for FSDP2
+        deltas[k] = max_abs_delta(want, got)
+    return deltas
+
+
 def _round_trip(build, patched, ckpt_dir, metadata, reference=None):
     """build(seed) -> FSDP2-sharded model. ``reference``: (build_plain(seed), full tensors) loaded
     from the same checkpoint after the same-layout check."""
     from megatron.core import dist_checkpointing
 
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "raw_error": None}
-    phase = "precondition"
-    try:
-        result["fix_state"] = _fix_state(patched)
-        phase = "build"
-        saved = build(SAVE_SEED)
-        before = _local_tensors(saved)
-        phase = "sharded_state_dict"
-        sd = saved.sharded_state_dict(prefix="", metadata=metadata)
-        phase = "validate"
-        failed = validate(sd)
-        if failed is not None:
-            result["raw_error"] = failed[1]
-            raise ValidationFailed(failed[0])
-        phase = "save"
-        dist_checkpointing.save(sd, ckpt_dir)
-        dist.barrier()
-        phase = "build_fresh"
-        fresh = build(FRESH_SEED)
-        assert not any(torch.equal(t, _local_tensors(fresh)[k]) for k, t in before.items() if t.numel()), "vacuous"
-        phase = "load"
-        loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
-        deltas = {}
-        for k, want in before.items():
-            got = loaded[k]
-            _local(fresh.state_dict()[k]).data.copy_(got)  # what load_state_dict does for FSDP2
-            deltas[k] = float((want.double() - got.double()).abs().max()) if want.numel() else 0.0
-        result["max_delta"] = dict(sorted(deltas.items()))  # the same-layout half, kept if what follows fails
+    rt = RoundTrip(error_line=_error_line, raw_error=None)
+    validation_raw = None
+    with rt.running_dcp():  # DCP's CheckpointException is a BaseException
+        rt.phase("precondition")
+        rt["fix_state"] = _fix_state(patched)
+        try:
+            before = _save(rt, build, ckpt_dir, metadata)
+        except ValidationFailed:
+            validation_raw = rt["raw_error"]  # Megatron's messages, not the one line
+            raise
+        deltas = _load_in_place(rt, build, ckpt_dir, metadata, before)
+        rt["max_delta"] = dict(sorted(deltas.items()))  # the same-layout half, kept if what follows fails
         if reference is not None:
             build_plain, full = reference
-            phase = "load_unsharded"
+            rt.phase("load_unsharded")
             plain = build_plain(FRESH_SEED)
             got = dist_checkpointing.load(plain.sharded_state_dict(prefix="", metadata=metadata), ckpt_dir)
             for k, want in full.items():
-                deltas[f"unsharded/{k}"] = float((want.double() - got[k].double()).abs().max())
-        phase = "compare"
-        result["n_tensors"] = len(deltas)
-        result["max_delta"] = dict(sorted(deltas.items()))
-        bad = {k: d for k, d in deltas.items() if d != 0.0}
+                deltas[f"unsharded/{k}"] = max_abs_delta(want, got[k])
+        rt.phase("compare")
+        rt["n_tensors"] = len(deltas)
+        rt["max_delta"] = dict(sorted(deltas.items()))
+        bad = rt.differing()
         assert not bad, f"tensors differ after load: {bad}"
-    except (Exception, _dcp_exception()) as exc:  # DCP's CheckpointException is a BaseException
-        result["error"] = _error_line(exc)
-        result["raw_error"] = result["raw_error"] or f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
-    return result
+    if validation_raw is not None:  # record() wrote the one line there; Megatron's own text is kept
+        rt["raw_error"] = validation_raw
+    return rt.result
 
 
 # -- scenarios -------------------------------------------------------------------------------------
@@ -421,8 +432,8 @@ def helpers_read_parallel_state() -> bool:
     """0.12-0.15: Megatron's helpers take no group arguments; they read parallel_state."""
     import megatron.core.utils as mu
 
-    from mcore_ckpt_fixes.engine.patching import original
-    from mcore_ckpt_fixes.fixes.dtensor_placement import TP_HELPER, takes_groups
+    from ...engine.patching import original
+    from .patch import TP_HELPER, takes_groups
 
     return not takes_groups(original(mu, TP_HELPER))
 
