@@ -254,7 +254,7 @@ def _round_trip(build, patched, ckpt_dir, metadata, reference=None):
 
     rt = RoundTrip(error_line=_error_line, raw_error=None)
     validation_raw = None
-    with rt.running_dcp():  # DCP's CheckpointException is a BaseException
+    with rt.running():  # records DCP's CheckpointException too (a BaseException)
         rt.phase("precondition")
         rt["fix_state"] = _fix_state(patched)
         try:
