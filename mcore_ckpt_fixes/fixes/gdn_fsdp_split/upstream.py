@@ -1,76 +1,30 @@
-"""gdn-fsdp-split: fsdp_dtensor save of Gated-DeltaNet fused projections, rank-consistent, no collectives.
+"""gdn-fsdp-split, the code upstream would carry: ``handle_gdn_in_state_dict`` with a split that
+issues no collective, and the edits that put it into a release's ``fsdp_dtensor_checkpoint.py``.
 
-Affected: Megatron-Core 0.18.x (TP split applied twice) and 0.19.x (per-rank fast path, hang risk).
-Upstream: NVIDIA/Megatron-LM #4748/#4753 (the 0.19 fast path for "already TP-local" GDN tensors,
-Qwen3.5 via Megatron-Bridge), #4799/#4843 (same, dev/cherry-pick), #4423 (plain-Tensor optimizer
-states), #4910 (the hang signature when ranks disagree).
+The source diff replaces upstream's ``handle_gdn_in_state_dict`` (with its nested
+``split_gdn_fused``) by the code between the "replacement" markers below, taken verbatim except for
+one mechanical edit: ``MODULE`` (the upstream module's name) is read as ``__name__``. The monkeypatch
+(patch.py binds these very functions) and the diff are the same code by construction;
+tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
+round-trips with the monkeypatch off.
 
-Failure prevented (0.18.x): ``handle_gdn_in_state_dict`` splits GDN's fused ``in_proj.weight``
-(query, key, value, z, beta, alpha) and ``conv1d.weight`` / ``conv1d.bias`` (query, key, value)
-through a nested ``split_gdn_fused``. It divides ``data.numel()`` by the TP size to get one TP
-rank's share. When ``data`` is already TP-local (its DTensor *global* shape is this TP rank's
-shape, as Megatron-Bridge / verl hand it over), the TP split is applied a second time: every
-component gets half its rows, ``make_fsdp_dtensor`` rebuilds it as a TP-global DTensor twice too
-small, and the save dies in ``validate_uneven_dtensor`` with
-``AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed``.
-A plain-Tensor optimizer state (FusedAdam's local shard) dies in ``data.to_local()``.
+    python tools/patchgen gdn-fsdp-split SRC_ROOT RELEASE > patches/gdn-fsdp-split/RELEASE.patch
 
-Why 0.19.x too: 0.19 detects the TP-local case by ``data.shape[split_dim] == sum(split_sizes)``
-per rank and then takes ``split_dtensor`` (one ``all_gather_object`` per sharded mesh dim to find
-offsets, and another per component to attach chunk metadata), while the other branch runs
-``make_fsdp_dtensor(run_check=True)`` (``all_gather_object`` + ``all_reduce`` per component, and
-another ``all_gather_object``). The choice depends on what *this* rank holds: where ranks disagree
-(a plain Tensor on one rank, a DTensor on another; a TP-local DTensor on one, a TP-global one on
-another; optimizer state on some ranks only) the collectives do not pair up and the job hangs.
-The fast path also writes the TP-local tensor as if it were global, so both TP ranks write the
-same chunk of ``...in_proj.weight.query`` and one TP rank's values are lost (no TP resharding).
-So the replacement is applied on 0.19.x as well: it is the same function with both branches
-replaced by one rank-independent computation.
-
-How: a replacement ``handle_gdn_in_state_dict`` (module-level, bound in
-``megatron.core.transformer.fsdp_dtensor_checkpoint`` and in every module that imported it by name)
-keeps upstream's key matching and dict handling and splits without any collective. Whatever
-``data`` is (TP-global DTensor, TP-local DTensor, plain local Tensor), its local part is this rank's
-Megatron-FSDP slice of the TP-local fused parameter (``dist_param.megatron_fsdp_slice``); the TP
-size and rank come from the parameter's ``FSDPDistributedIndex`` mesh coordinates, the component
-sizes from the GDN module. From those alone every rank computes each component's piece (a view,
-so loading into it writes straight back into the fused tensor), its TP-global shape
-``(size * tp, ...)`` and its chunk offset ``tp_rank * size + rows before this rank's slice``, and
-attaches the chunk metadata DCP reads. The result is the checkpoint upstream's working branch
-writes for the ordinary (TP-global) layout, on every rank, for every input layout.
-
-Plain torch DTensors (``distribute_tensor`` / ``DTensor.from_local`` on a CPU or CUDA mesh, no
-Megatron-FSDP attributes: what a script that distributes Hugging Face weights hands over) carry
-their place in their own mesh and placements: the local chunk is computed from the mesh coordinate
-with torch's chunking (Shard(0) on 1-D and 2-D meshes, nested Shard, Replicate; chunk metadata that
-Megatron-FSDP attached wins), the TP rank of a TP-local tensor comes from a TP=1 module, the
-parameter's Megatron-FSDP mesh, a ``"tp"`` mesh dimension or ``parallel_state``, and a TP-global
-tensor's rows name their TP block. 0.19.2 splits such TP=1 tensors itself (so must the fix: it may
-never fail where the release succeeds); 0.18.x raises ``AttributeError: 'DTensor' object has no
-attribute 'megatron_fsdp_slice'``. Layouts with no contiguous local chunk (Partial, strided shards,
-a local part spanning TP blocks, a TP-local tensor whose TP rank nothing names) are refused with
-one ``ValueError`` line: upstream either fails on them too or writes TP ranks over each other.
+SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
 """
 
 from __future__ import annotations
 
-import types
+import sys
 
-from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, is_replacement, mark, original
-
-ID = "gdn-fsdp-split"
-MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
-NAME = "handle_gdn_in_state_dict"
-
-# Modules known to bind the function by name (the engine rebinds every loaded module anyway).
-ALIAS_SITES = ("megatron.bridge.training.checkpointing",)
+from . import MODULE
 
 # -- replacement ---------------------------------------------------------------------------------
-# Everything from here to "end of replacement" is also what tools/patchgen/gdn_fsdp_split.py writes
-# into fsdp_dtensor_checkpoint.py for the source diffs (with ``sys.modules[MODULE]`` read as the
-# module itself and ``@mark`` dropped), so the monkeypatch and the diffs cannot drift apart. Names
-# the upstream module uses (``DTensor``, ``HAVE_MEGATRON_FSDP``) are looked up in that module.
+# Everything from here to "end of replacement" is also what ``source_edits`` below writes into
+# fsdp_dtensor_checkpoint.py for the source diffs (with ``sys.modules[MODULE]`` read as the module
+# itself), so the monkeypatch and the diffs cannot drift apart. Names the upstream module uses
+# (``DTensor``, ``HAVE_MEGATRON_FSDP``) are looked up in that module. patch.py marks the function as
+# this fix's replacement; nothing here imports torch or megatron at import.
 
 _GDN_IN_PROJ_NAMES = ("query", "key", "value", "z", "beta", "alpha")
 _GDN_CONV1D_NAMES = ("query", "key", "value")
@@ -83,7 +37,6 @@ def _gdn_strip_wrappers(path):
     return ".".join(parts)
 
 
-@mark(ID)
 def handle_gdn_in_state_dict(model, model_state_dict, optimizer_state_dict):
     """Split GDN fused projections (in_proj 6-way, conv1d 3-way) into per-component DTensors.
 
@@ -407,119 +360,31 @@ def _gdn_write_items(chunk, fqn, tensor):
 # -- end of replacement ----------------------------------------------------------------------------
 
 
-# -- probe: the real function on inert stand-ins ---------------------------------------------------
+# -- source diffs ----------------------------------------------------------------------------------
+
+TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
+UPSTREAM_DEF, UPSTREAM_NEXT = "def handle_gdn_in_state_dict(", "def handle_fp8_extra_state_case("
 
 
-class _ProbeDone(Exception):
-    pass
+def replacement_code() -> str:
+    from ...sourcediff import refuse_names, replacement_section
+
+    code = replacement_section(sys.modules[__name__])
+    code = code.replace("sys.modules[MODULE]", "sys.modules[__name__]")
+    code = code.replace("logging.getLogger(MODULE)", "logging.getLogger(__name__)")
+    refuse_names(code, ("MODULE", "ID", "NAME", "mark"))
+    header = (
+        "# GDN fused projections (in_proj q/k/v/z/b/a, conv1d q/k/v) are split without any collective:\n"
+        "# every rank derives its pieces, their TP-global shapes and chunk offsets from metadata that is\n"
+        "# identical on all ranks plus its own mesh coordinates, whatever layout it holds (TP-global or\n"
+        "# TP-local DTensor, plain local Tensor). No per-rank branch, so ranks cannot diverge and hang.\n"
+    )
+    return header + code.rstrip("\n") + "\n\n\n"
 
 
-def probe(module: types.ModuleType):
-    fn = module.__dict__.get(NAME)
-    if is_replacement(fn):
-        fn = original(module, NAME)  # re-probed after apply (reload): judge upstream's code
-    if fn is None:
-        return None, f"{MODULE} has no {NAME} (GDN support absent)"
-    if not getattr(module, "HAVE_MEGATRON_FSDP", False):
-        return None, "Megatron-FSDP is not importable here"
-    import torch
+def source_edits(release: str) -> list:
+    """The one edit, the same on every affected release line (0.18.x, 0.19.x): upstream's function,
+    up to the next top-level one, becomes the replacement."""
+    from ...sourcediff import ReplaceBetween
 
-    tp, rows, cols = 2, 2 + 2 + 2 + 2 + 1 + 1, 4  # TP-local in_proj: q,k,v,z = 2 rows, b,a = 1
-
-    mesh = types.SimpleNamespace(mesh_dim_names=("tp",), size=lambda dim=0: tp, get_local_rank=lambda dim=0: 0)
-    built = []  # (local rows, global rows) of every DTensor a collective-free split builds itself
-
-    class FakeDTensor:  # stands in for DTensor in the module's namespace only, during the probe
-        device_mesh, placements = mesh, ()
-
-        def __init__(self, local, shape=None):
-            self.local, self._local_tensor = local, local
-            self.shape = local.shape if shape is None else shape
-
-        def numel(self):
-            return self.local.numel()
-
-        def to_local(self):
-            return self.local
-
-        @classmethod
-        def from_local(cls, local, device_mesh=None, placements=None, run_check=False, shape=None, stride=None):
-            built.append((local.shape[0], shape[0]))
-            return cls(local, shape)
-
-    class Gdn(torch.nn.Module):
-        qk_dim, v_dim, in_proj_dim, num_value_heads, tp_size = 2 * tp, 2 * tp, 10 * tp, 1 * tp, tp
-
-        def __init__(self):
-            super().__init__()
-            self.in_proj = torch.nn.Module()
-            w = torch.nn.Parameter(torch.empty(rows * tp, cols, device="meta"))
-            w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, 0, 1
-            w.megatron_fsdp_slice = slice(0, rows * cols)
-            w.megatron_fsdp_dist_index = types.SimpleNamespace(
-                tp_dim="tp", device_mesh=mesh, get_submesh=lambda *a, **k: types.SimpleNamespace(mesh=torch.empty(tp))
-            )
-            self.in_proj.weight = w
-
-    model = torch.nn.Module()
-    model.module = torch.nn.Module()
-    model.module.gdn = Gdn()
-    seen = {}
-
-    def record(name):
-        def recorder(local_tensor, *args, **kwargs):
-            seen[name] = local_tensor
-            raise _ProbeDone
-
-        return recorder
-
-    names = ("DTensor", "make_fsdp_dtensor", "split_dtensor")
-    saved = {n: module.__dict__[n] for n in names if n in module.__dict__}
-    module.DTensor = FakeDTensor
-    module.make_fsdp_dtensor = record("make_fsdp_dtensor")
-    module.split_dtensor = record("split_dtensor")
-    try:
-        fn(model, {"gdn.in_proj.weight": FakeDTensor(torch.zeros(rows, cols))}, None)
-    except _ProbeDone:
-        pass
-    finally:
-        for n in names:
-            if n in saved:
-                setattr(module, n, saved[n])
-            else:
-                delattr(module, n)
-    if "split_dtensor" in seen:
-        return True, (
-            "split_gdn_fused picks a per-rank fast path (split_dtensor) for TP-local DTensors whose "
-            "collectives differ from the other branch (hang risk, #4910)"
-        )
-    if "make_fsdp_dtensor" in seen:
-        got = seen["make_fsdp_dtensor"].numel()
-        if got != 2 * cols:
-            return True, f"split_gdn_fused splits a TP-local tensor by TP again (query got {got} of {2 * cols} elements)"
-        return False, "split_gdn_fused keeps a TP-local tensor's component sizes"
-    if built:
-        # No Megatron-FSDP helper (and so no collective) was called: the split was computed locally
-        # (this package's version, or its source diff). Query: 2 local rows of a 2 * tp-row tensor.
-        if built[0] == (2, 2 * tp):
-            return False, "the GDN split is computed locally on every rank (no per-rank branch, no collective)"
-        return True, f"the GDN split gives query {built[0][0]} of {built[0][1]} rows (expected 2 of {2 * tp})"
-    return None, "handle_gdn_in_state_dict no longer calls make_fsdp_dtensor or split_dtensor"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace_function(module, NAME, handle_gdn_in_state_dict)
-
-
-FIX = Fix(
-    id=ID,
-    summary="fsdp_dtensor save of Gated-DeltaNet fused projections: TP split applied twice (0.18), "
-    "per-rank fast path with mismatched collectives (0.19); replaced by a collective-free split",
-    affected=">=0.18.0,<0.20.0",
-    upstream=(
-        "NVIDIA/Megatron-LM#4748/#4753/#4843 (0.19 fast path for TP-local GDN tensors)",
-        "NVIDIA/Megatron-LM#4910 (hang when ranks take different branches)",
-        "NVIDIA/Megatron-LM#4423 (plain-Tensor optimizer states)",
-    ),
-    targets=(Target(MODULE, probe, apply, alias_sites=ALIAS_SITES),),
-)
+    return [ReplaceBetween(TARGET, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code())]

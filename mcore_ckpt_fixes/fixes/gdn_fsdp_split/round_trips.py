@@ -29,21 +29,20 @@ boundary flags to CUDA); never installed by ``import mcore_ckpt_fixes``.
 
 from __future__ import annotations
 
-import traceback
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..testing.states import ON, fix_states
+from ...testing.result import RoundTrip, running_with_dcp
+from ...testing.states import ON, fix_states
+from . import ID as FIX_ID, MODULE as _MODULE
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 # Global GDN dims: qk = 2 heads x 4, v = 4 heads x 3, so components have distinct sizes.
 NUM_K_HEADS, K_HEAD_DIM, NUM_V_HEADS, V_HEAD_DIM = 2, 4, 4, 3
 HIDDEN, KERNEL = 6, 4
 PATH = "decoder.layers.0.self_attention"
-_MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
-FIX_ID = "gdn-fsdp-split"
 
 
 def prepare() -> None:
@@ -244,14 +243,16 @@ def _short(exc):
     return f"{type(exc).__name__}: {msg}"
 
 
-def _record_error(result, exc, phase):
-    """The round trip's first failure, on this rank: where, what, and the whole traceback."""
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        raise exc
-    result["error"] = _short(exc)
-    result["error_detail"] = f"{type(exc).__name__}: {exc}"
-    result["phase"] = phase
-    result["traceback"] = traceback.format_exc()
+def _round_trip_result(**extra):
+    """This scenario's RoundTrip: the error line cut before rank-specific detail, and the full text
+    also as ``error_detail`` (the name these results have always used for it)."""
+    return RoundTrip(error_line=_short, **extra)
+
+
+def _finish(rt):
+    if rt["error"] is not None:
+        rt["error_detail"] = rt["raw_error"]
+    return rt.result
 
 
 def _fix_state(patched):
@@ -273,41 +274,36 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="
     if device != "cpu":
         raise ValueError("gdn-fsdp-split scenarios run on CPU (gloo) only")
     _cpu_cuda_shim()
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
-              "device": "cpu", "layout": layout, "tp": tp, "optimizer": optimizer}
-    phase = "setup"
-    try:
+    rt = _round_trip_result(device="cpu", layout=layout, tp=tp, optimizer=optimizer)
+    rt.phase("setup")
+    with running_with_dcp(rt):
         w = _World(tp)
         model, msd, osd, expected = _build(w, SAVE_SEED, layout, optimizer)
-        phase = "precondition"
-        result["fix_state"] = _fix_state(patched)
-        phase = "preprocess"
+        rt.phase("precondition")
+        rt["fix_state"] = _fix_state(patched)
+        rt.phase("preprocess")
         msd_s, osd_s = _handle()(model, msd, osd)
-        phase = "save"
+        rt.phase("save")
         dcp.save(_dcp_state(msd_s, osd_s), checkpoint_id=ckpt_dir)
         dist.barrier()
-        phase = "build_fresh"
+        rt.phase("build_fresh")
         fmodel, fmsd, fosd, fexpected = _build(w, FRESH_SEED, layout, optimizer)
-        phase = "load_preprocess"
+        rt.phase("load_preprocess")
         fmsd_s, fosd_s = _handle()(fmodel, fmsd, fosd)
-        phase = "load"
+        rt.phase("load")
         fstate = _dcp_state(fmsd_s, fosd_s)
         dcp.load(fstate, checkpoint_id=ckpt_dir)
-        phase = "compare"
+        rt.phase("compare")
         got = _refuse(fstate["model"], fstate.get("optimizer"))
         assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
-        result["n_tensors"] = len(expected)
-        result["max_delta"] = {k: float((expected[k] - got[k]).abs().max()) if got[k].numel() else 0.0 for k in sorted(expected)}
-        bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
+        bad = rt.compare(expected, got)
         assert not bad, f"tensors differ after load: {bad}"
         if global_check:
-            phase = "global_check"
-            result["global_max_delta"] = _global_check(w, ckpt_dir)
-            bad = {k: d for k, d in result["global_max_delta"].items() if d != 0.0}
+            rt.phase("global_check")
+            rt["global_max_delta"] = _global_check(w, ckpt_dir)
+            bad = {k: d for k, d in rt["global_max_delta"].items() if d != 0.0}
             assert not bad, f"saved components are not the TP-global ones: {bad}"
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        _record_error(result, exc, phase)
-    return result
+    return _finish(rt)
 
 
 def _global_check(w, ckpt_dir):
@@ -508,56 +504,55 @@ def _build_plain(layout, seed):
 def plain_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", layouts=PLAIN_TP1):
     """One world, one DCP round trip per layout (each into its own directory), model and Adam state."""
     import os
-    import types
-
-    import torch.distributed.checkpoint as dcp
 
     if device != "cpu":
         raise ValueError("gdn-fsdp-split scenarios run on CPU (gloo) only")
     _cpu_cuda_shim()
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
-              "device": "cpu", "layouts": list(layouts)}
-    phase = "setup"
-    try:
-        phase = "precondition"
-        result["fix_state"] = _fix_state(patched)
+    rt = _round_trip_result(device="cpu", layouts=list(layouts))
+    rt.phase("setup")
+    with running_with_dcp(rt):
+        rt.phase("precondition")
+        rt["fix_state"] = _fix_state(patched)
         for layout in layouts:
-            path = os.path.join(ckpt_dir, layout)
-            phase = "setup"
-            model, msd, osd, expected, tp = _build_plain(layout, SAVE_SEED)
-            phase = "preprocess"
-            msd_s, osd_s = _handle()(model, msd, osd)
-            phase = "save"
-            dcp.save(_dcp_state(msd_s, osd_s), checkpoint_id=path)
-            dist.barrier()
-            phase = "build_fresh"
-            fmodel, fmsd, fosd, _, _ = _build_plain(layout, FRESH_SEED)
-            phase = "load_preprocess"
-            fstate = _dcp_state(*_handle()(fmodel, fmsd, fosd))
-            phase = "load"
-            dcp.load(fstate, checkpoint_id=path)
-            phase = "compare"
-            got = _refuse(fstate["model"], fstate.get("optimizer"))
-            # The fresh model's own tensors (what training goes on with) must hold the loaded values:
-            # the pieces are views into them.
-            for key in got:
-                if not key.startswith("opt/"):
-                    got[key] = fmodel.module.get_parameter(key).to_local().reshape(-1)
-            assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
-            for k in sorted(expected):
-                d = float((expected[k] - got[k]).abs().max()) if got[k].numel() else 0.0
-                result["max_delta"][f"{layout}/{k}"] = d
-            result["n_tensors"] += len(expected)
-            bad = {k: d for k, d in result["max_delta"].items() if d != 0.0}
-            assert not bad, f"tensors differ after load: {bad}"
-            phase = "global_check"
-            deltas = _global_check(types.SimpleNamespace(tp=tp), path)
-            bad = {k: d for k, d in deltas.items() if d != 0.0}
-            assert not bad, f"{layout}: saved components are not the TP-global ones: {bad}"
-            dist.barrier()
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        _record_error(result, exc, phase)
-    return result
+            _plain_layout_round_trip(rt, layout, os.path.join(ckpt_dir, layout))
+    return _finish(rt)
+
+
+def _plain_layout_round_trip(rt, layout, path):
+    """One layout of :func:`plain_round_trip`: save, load into a fresh model, compare, read back whole."""
+    import types
+
+    import torch.distributed.checkpoint as dcp
+
+    rt.phase("setup")
+    model, msd, osd, expected, tp = _build_plain(layout, SAVE_SEED)
+    rt.phase("preprocess")
+    msd_s, osd_s = _handle()(model, msd, osd)
+    rt.phase("save")
+    dcp.save(_dcp_state(msd_s, osd_s), checkpoint_id=path)
+    dist.barrier()
+    rt.phase("build_fresh")
+    fmodel, fmsd, fosd, _, _ = _build_plain(layout, FRESH_SEED)
+    rt.phase("load_preprocess")
+    fstate = _dcp_state(*_handle()(fmodel, fmsd, fosd))
+    rt.phase("load")
+    dcp.load(fstate, checkpoint_id=path)
+    rt.phase("compare")
+    got = _refuse(fstate["model"], fstate.get("optimizer"))
+    # The fresh model's own tensors (what training goes on with) must hold the loaded values:
+    # the pieces are views into them.
+    for key in got:
+        if not key.startswith("opt/"):
+            got[key] = fmodel.module.get_parameter(key).to_local().reshape(-1)
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    rt.compare(expected, got, prefix=f"{layout}/")
+    bad = rt.differing()
+    assert not bad, f"tensors differ after load: {bad}"
+    rt.phase("global_check")
+    deltas = _global_check(types.SimpleNamespace(tp=tp), path)
+    bad = {k: d for k, d in deltas.items() if d != 0.0}
+    assert not bad, f"{layout}: saved components are not the TP-global ones: {bad}"
+    dist.barrier()
 
 
 def plain_dtensors(rank, world_size, ckpt_dir, patched, device="cpu"):
