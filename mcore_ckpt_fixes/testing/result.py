@@ -95,19 +95,3 @@ class RoundTrip:
 
     def differing(self) -> dict:
         return {k: d for k, d in self.result["max_delta"].items() if d != 0.0}
-
-
-@contextlib.contextmanager
-def running_with_dcp(rt: RoundTrip):
-    """``rt.running()``, recording torch DCP's ``CheckpointException`` as well: it derives from
-    ``BaseException``, so ``running()`` alone would let a failed ``dcp.save`` / ``dcp.load`` end
-    the rank instead of reporting it like any other error."""
-    with rt.running():
-        try:
-            yield rt
-        except BaseException as exc:
-            from torch.distributed.checkpoint.api import CheckpointException
-
-            if not isinstance(exc, CheckpointException):
-                raise
-            rt.record(exc)

@@ -34,7 +34,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip, running_with_dcp
+from ...testing.result import RoundTrip
 from ...testing.states import ON, fix_states
 from . import ID as FIX_ID, MODULE as _MODULE
 
@@ -276,7 +276,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="
     _cpu_cuda_shim()
     rt = _round_trip_result(device="cpu", layout=layout, tp=tp, optimizer=optimizer)
     rt.phase("setup")
-    with running_with_dcp(rt):
+    with rt.running():  # records DCP's CheckpointException too (a BaseException)
         w = _World(tp)
         model, msd, osd, expected = _build(w, SAVE_SEED, layout, optimizer)
         rt.phase("precondition")
@@ -510,7 +510,7 @@ def plain_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", layouts=
     _cpu_cuda_shim()
     rt = _round_trip_result(device="cpu", layouts=list(layouts))
     rt.phase("setup")
-    with running_with_dcp(rt):
+    with rt.running():  # records DCP's CheckpointException too (a BaseException)
         rt.phase("precondition")
         rt["fix_state"] = _fix_state(patched)
         for layout in layouts:
