@@ -6,7 +6,7 @@ from 0.17, the same ``megatron.core`` steps on 0.16), the optimizer's real param
 torch DCP save/load. Built by hand: the model, because its experts are Transformer Engine's grouped
 MLP (``linear_fc1.weight{i}`` / ``bias{i}``), and TE (and Megatron-FSDP's CUDA buffers) cannot run on
 a CPU host: the keys and DTensors are made exactly as Megatron-FSDP names and shards them; see
-mcore_ckpt_fixes/scenarios/expert_keys.py.
+mcore_ckpt_fixes/fixes/expert_keys/round_trips.py.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from mcore_ckpt_fixes.fixes.expert_keys import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.scenarios.expert_keys"
+SC = "mcore_ckpt_fixes.fixes.expert_keys.round_trips"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 INDEXED = ("ep2", "ep2_dp2")  # one tensor per local expert (weight{i}, bias{i})
 GROUPED = ("ep2_grouped", "ep2_grouped_bias", "ep2_dp2_grouped")  # single grouped tensors (0.18+)
@@ -42,7 +42,7 @@ def test_registry_declares_every_round_trip():
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    from mcore_ckpt_fixes.scenarios.expert_keys import prepare
+    from mcore_ckpt_fixes.fixes.expert_keys.round_trips import prepare
 
     prepare()
 
@@ -171,10 +171,10 @@ def ep():
 def _mod():
     import sys
 
-    from mcore_ckpt_fixes.fixes import expert_keys
+    from mcore_ckpt_fixes.fixes.expert_keys import patch
 
     mod = sys.modules[MODULE]
-    assert mod.handle_experts_in_state_dict is expert_keys.handle_experts_in_state_dict
+    assert mod.handle_experts_in_state_dict is patch.handle_experts_in_state_dict
     return mod
 
 
@@ -247,19 +247,19 @@ def test_single_grouped_tensor(ep):
 def test_probe_and_status(mcore_version):
     import mcore_ckpt_fixes
     import megatron.core.transformer.fsdp_dtensor_checkpoint as m
-    from mcore_ckpt_fixes.fixes import expert_keys
+    from mcore_ckpt_fixes.fixes.expert_keys import patch
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
     assert row["state"] == "applied", row
-    verdict, why = expert_keys.probe(m)  # judges the release's own functions even after apply
+    verdict, why = patch.probe(m)  # judges the release's own functions even after apply
     assert verdict is True and why.startswith("expert biases keep their local index under EP"), why
     assert "num_experts=None drops every expert key" in why and "a single grouped expert tensor (no index) asserts" in why
     if mcore_version.release[:2] >= (0, 17):  # megatron.training ships in the wheel
         import megatron.training.checkpointing as t
 
         assert row["targets"][TRAINING]["state"] == "applied", row["targets"]
-        verdict, why = expert_keys.probe_training(t)
+        verdict, why = patch.probe_training(t)
         assert verdict is True and why.startswith("a single grouped expert tensor keeps its EP-local shape (2, 2)"), why
 
 
@@ -283,7 +283,7 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from megatron.core.transformer.fsdp_dtensor_checkpoint import expert_param_local_key as user_local
 
 import mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes import expert_keys as ek
+from mcore_ckpt_fixes.fixes.expert_keys import patch as ek
 g = globals()
 for name, mod in sites.items():
     assert mod.handle_experts_in_state_dict is ek.handle_experts_in_state_dict, name
@@ -308,7 +308,7 @@ LATE_ALIAS = r"""
 import mcore_ckpt_fixes
 import megatron.core.transformer.fsdp_dtensor_checkpoint as m
 from megatron.core import parallel_state as ps
-from mcore_ckpt_fixes.fixes import expert_keys as ek
+from mcore_ckpt_fixes.fixes.expert_keys import patch as ek
 # imported after the fix: binds our function by name, which revert() does not know about
 import megatron.core.optimizer.distrib_optimizer as d
 assert d.handle_experts_in_state_dict is ek.handle_experts_in_state_dict

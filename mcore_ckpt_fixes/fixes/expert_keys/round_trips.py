@@ -25,24 +25,22 @@ other rank saved, so a wrong load is reported as which rank's values it got (``l
 
 from __future__ import annotations
 
-import contextlib
-import traceback
 import types
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..testing.meshes import cpu_device_meshes
-from ..testing.states import fix_states
+from ...testing.meshes import cpu_device_meshes
+from ...testing.result import RoundTrip, running_with_dcp
+from ...testing.states import fix_states
+from . import ID as FIX_ID, MODULE as _MODULE, TRAINING as _TRAINING
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 EP, NUM_EXPERTS = 2, 4
 NUM_LOCAL = NUM_EXPERTS // EP
 HIDDEN, FFN = 4, 6
 LAYER = "decoder.layers.0"
-_MODULE = "megatron.core.transformer.fsdp_dtensor_checkpoint"
-FIX_ID = "expert-keys"
 
 
 def prepare() -> None:
@@ -232,9 +230,6 @@ def _collect(state, chunk):
     return out
 
 
-_TRAINING = "megatron.training.checkpointing"
-
-
 def _fix_state(patched, variant="indexed"):
     # Grouped tensors are made EP-global through megatron.training.checkpointing's preprocessing.
     return fix_states(FIX_ID, (_MODULE,) if variant == "indexed" else (_MODULE, _TRAINING), patched)
@@ -255,68 +250,71 @@ def _sources(layout, key, got, variant):
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     if device != "cpu":
         raise ValueError("expert-keys scenarios run on CPU (gloo) only")
-    result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "device": "cpu",
-              "loaded_from": {}, "via": None}
-    phase = "setup"
+    rt = RoundTrip(device="cpu", loaded_from={}, via=None)
+    rt.phase("setup")
     from megatron.core import parallel_state as ps
 
     try:
-        layout = _Layout()
-        result["coords"] = layout.coords
-        chunk, state, expected = _build(layout, SAVE_SEED, variant)
-        phase = "precondition"
-        result["fix_state"] = _fix_state(patched, variant)
-        phase = "preprocess"
-        raw = {(n, sub): v for n, entry in state["optimizer"]["state"].items() for sub, v in entry.items()}
-        to_save, result["via"] = _preprocess(chunk, state)
-        # The caller's optimizer dicts (Megatron loads the optimizer from them afterwards) keep the
-        # parameter-shaped tensors, whatever the preprocessing put in the dict it checkpoints.
-        result["raw_state_kept"] = all(
-            state["optimizer"]["state"][n][sub] is v for (n, sub), v in raw.items()
-        )
-        result["saved_keys"] = sorted(to_save["model"])
-        phase = "save"
-        dcp.save(to_save, checkpoint_id=ckpt_dir)
-        dist.barrier()
-        # The global shape the checkpoint records for each expert tensor of the model (metadata only).
-        stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
-        result["stored_shapes"] = {
-            k[len("model."):]: list(md.size) for k, md in stored.items() if k.startswith("model.") and ".experts." in k
-        }
-        phase = "build_fresh"
-        fresh_chunk, fresh_state, fresh_expected = _build(layout, FRESH_SEED, variant)
-        same = [k for k, v in expected.items() if v.numel() and torch.equal(v, fresh_expected[k])]
-        assert not same, f"fresh state already equals the saved one on {same}: the check would be vacuous"
-        phase = "load_preprocess"
-        to_load, _ = _preprocess(fresh_chunk, fresh_state)
-        phase = "load"
-        dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=False))
-        phase = "compare"
-        # Read back from the dicts Megatron keeps (the parameters, the raw optimizer state: after an
-        # fsdp_dtensor load it puts raw_optimizer_state_dict back), not from the preprocessed copy.
-        got = _collect(fresh_state, fresh_chunk)
-        assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
-        result["n_tensors"] = len(expected)
-        result["max_delta"] = {
-            k: float((expected[k] - got[k]).abs().max()) if expected[k].numel() else 0.0 for k in sorted(expected)
-        }
-        bad = sorted(k for k, d in result["max_delta"].items() if d != 0.0)
-        result["loaded_from"] = {k: _sources(layout, k, got[k], variant) for k in bad}
-        assert not bad, f"tensors differ after load: {bad}"
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["phase"] = phase
-        result["traceback"] = traceback.format_exc()
+        with running_with_dcp(rt):
+            layout = _Layout()
+            rt["coords"] = layout.coords
+            expected = _save(rt, layout, ckpt_dir, patched, variant)
+            _load_and_compare(rt, layout, ckpt_dir, variant, expected)
     finally:
         ps.destroy_model_parallel()
-    return result
+    return rt.result
+
+
+def _save(rt, layout, ckpt_dir, patched, variant):
+    """Build, preprocess and save this rank's state; {compare key: expected local shard}."""
+    import torch.distributed.checkpoint as dcp
+
+    chunk, state, expected = _build(layout, SAVE_SEED, variant)
+    rt.phase("precondition")
+    rt["fix_state"] = _fix_state(patched, variant)
+    rt.phase("preprocess")
+    raw = {(n, sub): v for n, entry in state["optimizer"]["state"].items() for sub, v in entry.items()}
+    to_save, rt["via"] = _preprocess(chunk, state)
+    # The caller's optimizer dicts (Megatron loads the optimizer from them afterwards) keep the
+    # parameter-shaped tensors, whatever the preprocessing put in the dict it checkpoints.
+    rt["raw_state_kept"] = all(
+        state["optimizer"]["state"][n][sub] is v for (n, sub), v in raw.items()
+    )
+    rt["saved_keys"] = sorted(to_save["model"])
+    rt.phase("save")
+    dcp.save(to_save, checkpoint_id=ckpt_dir)
+    dist.barrier()
+    # The global shape the checkpoint records for each expert tensor of the model (metadata only).
+    stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    rt["stored_shapes"] = {
+        k[len("model."):]: list(md.size) for k, md in stored.items() if k.startswith("model.") and ".experts." in k
+    }
+    return expected
+
+
+def _load_and_compare(rt, layout, ckpt_dir, variant, expected):
+    """Load into a fresh state (strict: a missing key fails) and compare with what was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    rt.phase("build_fresh")
+    fresh_chunk, fresh_state, fresh_expected = _build(layout, FRESH_SEED, variant)
+    same = [k for k, v in expected.items() if v.numel() and torch.equal(v, fresh_expected[k])]
+    assert not same, f"fresh state already equals the saved one on {same}: the check would be vacuous"
+    rt.phase("load_preprocess")
+    to_load, _ = _preprocess(fresh_chunk, fresh_state)
+    rt.phase("load")
+    dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=False))
+    rt.phase("compare")
+    # Read back from the dicts Megatron keeps (the parameters, the raw optimizer state: after an
+    # fsdp_dtensor load it puts raw_optimizer_state_dict back), not from the preprocessed copy.
+    got = _collect(fresh_state, fresh_chunk)
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    bad = sorted(rt.compare(expected, got))
+    rt["loaded_from"] = {k: _sources(layout, k, got[k], variant) for k in bad}
+    assert not bad, f"tensors differ after load: {bad}"
 
 
 def ep2(rank, world_size, ckpt_dir, patched, device="cpu"):
