@@ -36,19 +36,20 @@ import contextlib
 import io
 import random
 import sys
-import traceback
 import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..testing.states import fix_states
+from ...testing.compare import max_abs_delta
+from ...testing.result import RoundTrip
+from ...testing.states import fix_states
+from . import ID as FIX_ID
+from . import MODULE
 
 EP = 2
 SEED, FRESH_SEED = 1234, 4321
-MODULE = "megatron.training.checkpointing"
-FIX_ID = "rng-under-ep"
 
 
 # -- CUDA RNG stand-in (CPU workers only) -----------------------------------------------------------
@@ -291,54 +292,58 @@ def _scramble(model):
             p.add_(1.0)
 
 
-class _Run:
-    """One scenario's result dict (see :mod:`mcore_ckpt_fixes.scenarios`) and phase bookkeeping."""
+def _round_trip(device):
+    """This rank's :class:`RoundTrip` with the fields every rng-under-ep scenario reports.
 
-    def __init__(self, device, patched):
-        self.patched = patched
-        self.result = {
-            "error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
-            "device": "cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}",
-            "saved": None, "loaded": None, "warnings": [], "layout": None,
-        }
-        self.phase = "setup"
+    Its error policy covers ``SystemExit`` too: load_checkpoint exits on an unreadable RNG state."""
+    rt = RoundTrip(
+        device="cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}",
+        saved=None, loaded=None, warnings=[], layout=None,
+    )
+    rt.phase("setup")
+    return rt
 
-    @contextlib.contextmanager
-    def guard(self):
+
+@contextlib.contextmanager
+def _recording(rt):
+    """``rt.running()``, and torch's ``CheckpointException`` recorded as well: it derives from
+    ``BaseException``, not ``Exception``, and an unfixed release raises it on every rank when it
+    cannot find the RNG key of a per-rank checkpoint (the tests read that error as a result)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with rt.running():
         try:
-            yield
-        except BaseException as exc:  # SystemExit too: load_checkpoint exits on an unreadable RNG state
-            self.result["error"] = f"{type(exc).__name__}: {exc}"
-            self.result["phase"] = self.phase
-            self.result["traceback"] = traceback.format_exc()
+            yield rt
+        except CheckpointException as exc:
+            rt.record(exc)
 
 
-def _save(args, model, stand_in, run):
+def _save(args, model, stand_in, rt, patched):
     from megatron.training.checkpointing import save_checkpoint
 
     _seed_and_consume(args, stand_in, SEED)
-    run.phase = "precondition"
-    run.result["fix_state"] = _fix_state(run.patched)
-    run.result["layout"] = _saved_layout(args)
-    run.phase = "save"
+    rt.phase("precondition")
+    rt["fix_state"] = _fix_state(patched)
+    rt["layout"] = _saved_layout(args)
+    rt.phase("save")
     saved = snapshot()
     save_checkpoint(1, [model], None, None, 0)
     dist.barrier()
     return saved
 
 
-def _load(args, model, stand_in, run):
+def _load(args, model, stand_in, rt):
     from megatron.training.checkpointing import load_checkpoint
 
-    run.phase = "perturb"
+    rt.phase("perturb")
     _seed_and_consume(args, stand_in, FRESH_SEED)  # other states than the saved ones, on every rank
     before = snapshot()
-    run.phase = "load"
+    rt.phase("load")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         iteration, _ = load_checkpoint([model], None, None)
     # This fix's MegatronPatchWarning, or the plain warning of the source patch (patches/rng-under-ep).
-    run.result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught if "RNG state" in str(w.message)]
+    rt["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught if "RNG state" in str(w.message)]
     assert iteration == 1, f"load_checkpoint returned iteration {iteration}, expected 1"
     return before, snapshot()
 
@@ -357,52 +362,51 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
     """save_checkpoint, new RNG states everywhere, load_checkpoint: every rank's RNG states (and its
     model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    run = _Run(device, patched)
-    with CudaRngStandIn() as stand_in, run.guard():
+    rt = _round_trip(device)
+    with CudaRngStandIn() as stand_in, _recording(rt):
         args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
-        saved = _save(args, model, stand_in, run)
+        saved = _save(args, model, stand_in, rt, patched)
         saved_model = _model_tensors(model)
         _scramble(model)
-        _, loaded = _load(args, model, stand_in, run)
-        run.phase = "compare"
+        _, loaded = _load(args, model, stand_in, rt)
+        rt.phase("compare")
         after_model = _model_tensors(model)
-        run.result["model_max_delta"] = max(
-            float((saved_model[k].double() - after_model[k].double()).abs().max()) for k in saved_model
-        )
-        run.result["saved"], run.result["loaded"] = saved, loaded
-        run.result["n_tensors"] = len(saved)
-        run.result["max_delta"] = deltas(saved, loaded)
-        bad = {k: d for k, d in run.result["max_delta"].items() if d != 0.0}
+        rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
+        rt["saved"], rt["loaded"] = saved, loaded
+        rt["n_tensors"] = len(saved)
+        # RNG states are not all tensors (Python's and NumPy's are tuples): compared with delta().
+        rt["max_delta"] = deltas(saved, loaded)
+        bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
         assert not bad, f"RNG states differ after load: {sorted(bad)}"
-        assert run.result["model_max_delta"] == 0.0, f"model differs after load: {run.result['model_max_delta']}"
+        assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"
     _teardown()
-    return run.result
+    return rt.result
 
 
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False):
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    run = _Run(device, patched)
-    with CudaRngStandIn() as stand_in, run.guard():
+    rt = _round_trip(device)
+    with CudaRngStandIn() as stand_in, _recording(rt):
         args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
-        run.result["saved"] = _save(args, model, stand_in, run)
-        run.result["n_tensors"] = len(run.result["saved"])
+        rt["saved"] = _save(args, model, stand_in, rt, patched)
+        rt["n_tensors"] = len(rt["saved"])
     _teardown()
-    return run.result
+    return rt.result
 
 
 def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=False, data_parallel_random_init=False):
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    run = _Run(device, patched)
-    with CudaRngStandIn() as stand_in, run.guard():
+    rt = _round_trip(device)
+    with CudaRngStandIn() as stand_in, _recording(rt):
         args, model = _setup(
             ckpt_dir, device, no_load_rng=no_load_rng, data_parallel_random_init=data_parallel_random_init
         )
-        run.phase = "precondition"
-        run.result["fix_state"] = _fix_state(patched)
-        run.result["before"], run.result["loaded"] = _load(args, model, stand_in, run)
-        run.result["n_tensors"] = len(run.result["loaded"])
+        rt.phase("precondition")
+        rt["fix_state"] = _fix_state(patched)
+        rt["before"], rt["loaded"] = _load(args, model, stand_in, rt)
+        rt["n_tensors"] = len(rt["loaded"])
     _teardown()
-    return run.result
+    return rt.result

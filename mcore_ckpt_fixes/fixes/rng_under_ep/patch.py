@@ -1,42 +1,7 @@
-"""rng-under-ep: every rank saves and restores its own RNG state in ``torch_dist`` checkpoints.
-
-Affected: Megatron-Core 0.17.0 - 0.19.2 (``megatron/training`` ships in the wheel from 0.17.0). Fixed
-only on upstream main (NVIDIA/Megatron-LM PR #6858, "restore each rank's own RNG state on checkpoint
-load"; Megatron-Bridge followed with the same per-rank layout, NVIDIA-NeMo/Megatron-Bridge #5988).
-
-Failure prevented: ``megatron.training.checkpointing.get_rng_state`` describes the ``torch_dist`` RNG
-state as ``ShardedObject('rng_state', ..., (pp_size, tp_size), (pp_rank, tp_rank),
-replica_id=dp_cp_rank)``: the data-parallel ranks of one (pp, tp) are declared replicas, so only one
-of them writes and all of them restore its copy. They are not replicas: the expert-parallel RNG
-tracker stream is seeded per EP rank (``seed + 1024 + 100 * ep_rank + etp_rank``) and EP lives inside
-the data-parallel group. After a resume every EP rank > 0 draws the MoE router noise and expert
-dropout of another rank (and Python / NumPy / torch / CUDA RNG state of that rank too).
-
-How:
-
-* save: ``get_rng_state`` (wrapped; the original still gathers the data-parallel states when
-  ``--data-parallel-random-init`` asks for it) returns the same object laid out per rank:
-  global shape ``(pp_size, tp_size, dp_cp_size)``, offset ``(pp_rank, tp_rank, dp_cp_rank)``,
-  ``replica_id=0``. (pp, tp, dp_cp) names every rank of the dense grid exactly once, so every rank
-  writes its own shard. This is the layout upstream main writes and reads, so a checkpoint saved
-  with this fix loads on the first upstream release that has it.
-* load: ``_load_global_dist_base_checkpoint`` (wrapped) looks at the shards the checkpoint holds for
-  the RNG key before loading, and asks for what is there:
-
-  - the per-rank layout: this rank's shard (also after a data-parallel resize, while the rank's
-    dp_cp index exists in the checkpoint; a rank beyond it keeps its current RNG state, with a
-    ``MegatronPatchWarning``);
-  - the old 2-D ``(pp, tp)`` layout written by an unfixed release: the one copy of this (pp, tp),
-    which is the best state there is (this rank's own only on dp_cp rank 0, or with
-    ``--data-parallel-random-init``, whose list holds every data-parallel rank's state), with a
-    ``MegatronPatchWarning`` that names the old layout. Never silently.
-
-An unfixed release cannot read the RNG state of a checkpoint written with this fix: the shard shape
-is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.
-It stops in ``load_checkpoint``; ``--no-load-rng`` (or applying this fix) gets past it.
-
-Only ``torch_dist`` is changed: the ``fsdp_dtensor`` and ``torch_dcp`` RNG entries are plain
-(non-sharded) objects and are left as the release writes them.
+"""rng-under-ep, the monkeypatch: the wrapped ``get_rng_state`` (save side), the wrapped
+``_load_global_dist_base_checkpoint`` (load side, which asks :mod:`.old_layouts` what to request),
+the probe and apply. What the fix prevents and how: see the package docstring. Imported only when
+``megatron.training.checkpointing`` is.
 """
 
 from __future__ import annotations
@@ -46,11 +11,9 @@ import inspect
 import sys
 import types
 
-from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, mark, original
-
-ID = "rng-under-ep"
-MODULE = "megatron.training.checkpointing"
+from ...engine.patching import Patcher, mark, original
+from . import ID, MODULE
+from .old_layouts import align_rng_request
 
 _SIGNATURES: dict = {}
 
@@ -106,67 +69,7 @@ def get_rng_state(*args, **kwargs):
     )
 
 
-# -- load side -------------------------------------------------------------------------------------
-
-
-def _stored_rng_shards(checkpoint_dir, key):
-    """[(global_offset, global_shape)] of the shards the checkpoint holds for ``key``.
-
-    Reads the checkpoint's metadata only (what ``load_sharded_metadata`` reads), through Megatron's
-    own reader so that MSC URLs work as they do for the load itself.
-    """
-    try:
-        from megatron.core.dist_checkpointing.strategies.torch import _get_filesystem_reader
-
-        reader = _get_filesystem_reader(checkpoint_dir)
-    except ImportError:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        reader = FileSystemReader(str(checkpoint_dir))
-    prefix = f"{key}/shard_"
-    shards = []
-    for name in reader.read_metadata().state_dict_metadata:
-        if not name.startswith(prefix):
-            continue
-        offset, _, shape = name[len(prefix):].partition("_")
-        try:
-            shards.append((tuple(map(int, offset.split("."))), tuple(map(int, shape.split(".")))))
-        except ValueError:
-            continue
-    return shards
-
-
-def _align_rng_request(template, checkpoint_dir):
-    """(what to request instead of ``template`` or None for nothing, warning text or None)."""
-    shards = _stored_rng_shards(checkpoint_dir, template.key)
-    pp_tp_shape, pp_tp_offset = template.global_shape[:2], template.global_offset[:2]
-    dp_cp_rank, dp_cp_size = template.global_offset[2], template.global_shape[2]
-    where = f"(pp {pp_tp_offset[0]}, tp {pp_tp_offset[1]}, dp_cp {dp_cp_rank})"
-    per_rank = [(o, s) for o, s in shards if len(s) == 3 and s[:2] == pp_tp_shape and o[:2] == pp_tp_offset]
-    if per_rank:
-        stored_dp_cp = per_rank[0][1][2]
-        if stored_dp_cp == dp_cp_size:
-            return template, None
-        if dp_cp_rank < stored_dp_cp:
-            return dataclasses.replace(template, global_shape=(*pp_tp_shape, stored_dp_cp)), None
-        return None, (
-            f"mcore_ckpt_fixes: {ID}: {checkpoint_dir} holds RNG states for dp_cp ranks "
-            f"0..{stored_dp_cp - 1} only (saved with a smaller data-parallel size); this rank {where} "
-            f"keeps its current RNG state"
-        )
-    legacy = [(o, s) for o, s in shards if len(s) == 2 and s == pp_tp_shape and o == pp_tp_offset]
-    if legacy:
-        request = dataclasses.replace(
-            template, global_shape=pp_tp_shape, global_offset=pp_tp_offset, replica_id=dp_cp_rank
-        )
-        return request, (
-            f"mcore_ckpt_fixes: {ID}: {checkpoint_dir} stores the RNG state in the old 2-D (pp, tp) "
-            f"layout of an unfixed Megatron-Core (one copy per (pp, tp), written by a single "
-            f"data-parallel rank); this rank {where} restores that copy, which is another rank's "
-            f"state unless it was saved by this rank or with --data-parallel-random-init; the next "
-            f"save writes every rank's own state"
-        )
-    return template, None  # nothing recognisable: let Megatron report it as it would
+# -- load side (what to request for which stored layout: old_layouts.py) ---------------------------
 
 
 @mark(ID)
@@ -187,11 +90,11 @@ def load_global_dist_base_checkpoint(*args, **kwargs):
     checkpoint_dir = module.get_checkpoint_name(
         params["load_dir"], params["iteration"], params["release"], return_base_dir=True
     )
-    request, warning = _align_rng_request(template, checkpoint_dir)
+    request, warning = align_rng_request(template, checkpoint_dir)
     if warning is not None:
         import warnings
 
-        from ..engine.errors import MegatronPatchWarning
+        from ...engine.errors import MegatronPatchWarning
 
         warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
     if request is template:
@@ -308,14 +211,3 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace_function(module, "get_rng_state", get_rng_state)
     patcher.replace_function(module, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)
 
-
-FIX = Fix(
-    id=ID,
-    summary="torch_dist RNG state is saved and restored per (pp, tp, dp_cp) rank: EP ranks > 0 keep their own streams",
-    affected=">=0.17.0,<=0.19.2",
-    upstream=(
-        "NVIDIA/Megatron-LM PR #6858 (upstream main only): each rank restores its own RNG state",
-        "NVIDIA-NeMo/Megatron-Bridge #5988: the same per-rank (pp, tp, dp_cp) RNG layout in Bridge",
-    ),
-    targets=(Target(MODULE, probe, apply),),
-)

@@ -1,0 +1,56 @@
+"""rng-under-ep: every rank saves and restores its own RNG state in ``torch_dist`` checkpoints.
+
+Affected: Megatron-Core 0.17.0 - 0.19.2 (``megatron/training`` ships in the wheel from 0.17.0). Fixed
+only on upstream main (NVIDIA/Megatron-LM PR #6858, "restore each rank's own RNG state on checkpoint
+load"; Megatron-Bridge followed with the same per-rank layout, NVIDIA-NeMo/Megatron-Bridge #5988).
+
+Failure prevented: ``megatron.training.checkpointing.get_rng_state`` describes the ``torch_dist`` RNG
+state as ``ShardedObject('rng_state', ..., (pp_size, tp_size), (pp_rank, tp_rank),
+replica_id=dp_cp_rank)``: the data-parallel ranks of one (pp, tp) are declared replicas, so only one
+of them writes and all of them restore its copy. They are not replicas: the expert-parallel RNG
+tracker stream is seeded per EP rank (``seed + 1024 + 100 * ep_rank + etp_rank``) and EP lives inside
+the data-parallel group. After a resume every EP rank > 0 draws the MoE router noise and expert
+dropout of another rank (and Python / NumPy / torch / CUDA RNG state of that rank too).
+
+How:
+
+* save: ``get_rng_state`` (wrapped; the original still gathers the data-parallel states when
+  ``--data-parallel-random-init`` asks for it) returns the same object laid out per rank:
+  global shape ``(pp_size, tp_size, dp_cp_size)``, offset ``(pp_rank, tp_rank, dp_cp_rank)``,
+  ``replica_id=0``. (pp, tp, dp_cp) names every rank of the dense grid exactly once, so every rank
+  writes its own shard. This is the layout upstream main writes and reads, so a checkpoint saved
+  with this fix loads on the first upstream release that has it.
+* load: ``_load_global_dist_base_checkpoint`` (wrapped) looks at the shards the checkpoint holds for
+  the RNG key before loading, and asks for what is there:
+
+  - the per-rank layout: this rank's shard (also after a data-parallel resize, while the rank's
+    dp_cp index exists in the checkpoint; a rank beyond it keeps its current RNG state, with a
+    ``MegatronPatchWarning``);
+  - the old 2-D ``(pp, tp)`` layout written by an unfixed release: the one copy of this (pp, tp),
+    which is the best state there is (this rank's own only on dp_cp rank 0, or with
+    ``--data-parallel-random-init``, whose list holds every data-parallel rank's state), with a
+    ``MegatronPatchWarning`` that names the old layout. Never silently.
+
+An unfixed release cannot read the RNG state of a checkpoint written with this fix: the shard shape
+is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.
+It stops in ``load_checkpoint``; ``--no-load-rng`` (or applying this fix) gets past it.
+
+Only ``torch_dist`` is changed: the ``fsdp_dtensor`` and ``torch_dcp`` RNG entries are plain
+(non-sharded) objects and are left as the release writes them.
+"""
+
+from ...engine.fix import Fix, Target
+
+ID = "rng-under-ep"
+MODULE = "megatron.training.checkpointing"
+
+FIX = Fix(
+    id=ID,
+    summary="torch_dist RNG state is saved and restored per (pp, tp, dp_cp) rank: EP ranks > 0 keep their own streams",
+    affected=">=0.17.0,<=0.19.2",
+    upstream=(
+        "NVIDIA/Megatron-LM PR #6858 (upstream main only): each rank restores its own RNG state",
+        "NVIDIA-NeMo/Megatron-Bridge #5988: the same per-rank (pp, tp, dp_cp) RNG layout in Bridge",
+    ),
+    targets=(Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply"),),
+)
