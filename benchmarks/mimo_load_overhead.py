@@ -52,7 +52,7 @@ def main(n: int) -> int:
     from megatron.core.dist_checkpointing import serialization
 
     from mcore_ckpt_fixes.engine.version import detect
-    from mcore_ckpt_fixes.fixes import mimo_optimizer
+    from mcore_ckpt_fixes.fixes.mimo_optimizer import old_layouts
 
     upstream = serialization.load  # MCORE_CKPT_FIXES=off is expected: nothing wrapped it
     assert not getattr(upstream, "__mcore_ckpt_fix__", None), "run with MCORE_CKPT_FIXES=off"
@@ -64,7 +64,7 @@ def main(n: int) -> int:
     def added(request, path):
         # All the wrapper adds around Megatron's load: the request scan (plus, for MIMO keys, the
         # metadata read and renaming) and the completion of the loaded dict.
-        _, finish = mimo_optimizer.align_mimo_optimizer_request(request, path)
+        _, finish = old_layouts.align_mimo_optimizer_request(request, path)
         finish({})
 
     rows = []

@@ -11,7 +11,7 @@ param-group field and the sharding type equal, on both ranks.
 Two configurations, because unpatched 0.17/0.18 can write a checkpoint in only one of them:
 
 ``dist``: both modules' inner optimizers are DistributedOptimizers (``dp_reshardable``, the type
-that round-trips on CPU, see mcore_ckpt_fixes/scenarios/mimo_optimizer.py). All six savers:
+that round-trips on CPU, see mcore_ckpt_fixes/fixes/mimo_optimizer/round_trips.py). All six savers:
 
     saved by \\ loaded by | 0.17.1 off | 0.17.1 on | 0.18.2 off | 0.18.2 on | 0.19.2 off | 0.19.2 on
     0.17.1 off           | save fails: COLLISION (the whole row: nothing is written)
@@ -56,7 +56,7 @@ import pytest
 
 from conftest import ROOT, megatron_version
 
-from mcore_ckpt_fixes.scenarios import MIMO_WORLD2_BUG
+from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import MIMO_WORLD2_BUG
 
 RELEASES_TXT = os.path.join(ROOT, "tools", "releases.txt")
 DRIVER = os.path.join(ROOT, "tests", "fixes", "mimo_matrix_driver.py")

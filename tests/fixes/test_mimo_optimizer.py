@@ -2,7 +2,7 @@
 
 Non-colocated modules, gloo on CPU: world 2 (language on rank 0, vision on rank 1) and world 4
 (TP=2 per module). Inner sharding type ``dp_reshardable``: on CPU the other DistributedOptimizer
-types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/scenarios/mimo_optimizer.py).
+types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/fixes/mimo_optimizer/round_trips.py).
 What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tensor.cuda()`` and
 ``Tensor.type()`` names (a TorchFunctionMode), besides testing/cpu_shims.py.
 """
@@ -13,7 +13,8 @@ from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.scenarios import MIMO_SAVE_SIDE, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG, for_fix, resolve
+from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import MIMO_SAVE_SIDE, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG
+from mcore_ckpt_fixes.testing import for_fix, resolve
 
 SCENARIO = for_fix("mimo-optimizer")[0]
 WORLDS = {"world2": (2, MIMO_WORLD2_BUG), "world4_tp2": (4, MIMO_WORLD4_BUG)}
@@ -35,7 +36,7 @@ def _need_mimo(version):
 
 def test_registry_declares_the_round_trip():
     assert [s.name for s in for_fix("mimo-optimizer")] == ["world2"]
-    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.scenarios.mimo_optimizer:round_trip"
+    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip"
     assert SCENARIO.bug == {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG}  # 0.19: no fix-off failure in this round trip
     for bug, idxs in ((MIMO_WORLD2_BUG, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
         assert bug.kind == "raises" and bug.phase == "save"

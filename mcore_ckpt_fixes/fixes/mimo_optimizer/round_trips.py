@@ -29,10 +29,11 @@ A save is preceded by the same sharding validation ``dist_checkpointing.save`` r
 rank 0 only, and the other ranks would then wait in the save's collectives until the deadline.
 A load is preceded likewise by the access validation ``dist_checkpointing.load`` runs.
 
-Each function returns the scenario contract's dict (see :mod:`mcore_ckpt_fixes.scenarios`), with
-``error``/``phase`` being the *world's* first failure (so every rank reports what broke, and
-``rank_errors`` says which rank saw what), plus ``sharding_type`` (what each module's
-``DistributedOptimizer`` received on load) and ``warnings`` (``MegatronPatchWarning`` texts).
+Each function returns the scenario contract's dict (a
+:class:`~mcore_ckpt_fixes.testing.result.RoundTrip` result), with ``error``/``phase`` being the
+*world's* first failure (so every rank reports what broke, and ``rank_errors`` says which rank saw
+what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` received on load) and
+``warnings`` (``MegatronPatchWarning`` texts).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..testing.states import ON, fix_states
+from ...testing.compare import max_abs_delta
+from ...testing.result import RoundTrip
+from ...testing.states import ON, fix_states
+from . import ID, MODULE as TARGET
 
 MODULES = ("language", "vision")
 HIDDEN = 16
 SAVE_SEED, FRESH_SEED = 1234, 98765
-TARGET = "megatron.core.models.mimo.optimizer"
 # Sharding types of DistributedOptimizer exercised here (see CPU_SHARDING_TYPES for why not all).
 # The non-distributed inner optimizer (Float16OptimizerWithFloat16Params) has no sharding type;
 # scenarios take this name in its place.
@@ -280,10 +283,10 @@ def _compare(expected, got):
     deltas = {}
     for k in sorted(set(expected["state"]) | set(got["state"])):
         a, b = expected["state"].get(k), got["state"].get(k)
-        if a is None or b is None or (torch.is_tensor(a) and a.shape != b.shape):
+        if a is None or b is None:
             deltas[k] = float("inf")
         elif torch.is_tensor(a):
-            deltas[k] = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+            deltas[k] = max_abs_delta(a, b)  # inf for another shape, 0.0 for empty tensors
         else:
             deltas[k] = 0.0 if a == b else float("inf")
     bad_groups = []
@@ -338,7 +341,7 @@ def _metadata(sharding_type):
 
 
 def _fix_state(patched):
-    return fix_states("mimo-optimizer", (TARGET,), patched, accept=ON + ("not-applicable",))
+    return fix_states(ID, (TARGET,), patched, accept=ON + ("not-applicable",))
 
 
 def _save(built, ckpt_dir, sharding_type):
@@ -396,30 +399,33 @@ def _load(built, ckpt_dir, sharding_type):
     )
 
 
-def _result(layout, patched):
-    return {
-        "error": None, "phase": None, "rank_errors": None, "max_delta": {}, "n_tensors": 0,
-        "bad_groups": [], "fix_state": None, "device": "cpu", "module": layout.module if layout else None,
-        "tp_rank": layout.tp_rank if layout else None, "sharding_type": None, "warnings": [],
-    }
+def _round_trip():
+    """This rank's :class:`RoundTrip` with the fields every mimo-optimizer scenario reports.
+
+    A world failure (:class:`_Failed`) is recorded as the world's first error (see
+    :func:`_record_world_failure`); anything else raised on this rank, outside a collective step, is
+    recorded by the RoundTrip in phase ``setup`` (the only phase set here: the steps name theirs)."""
+    rt = RoundTrip(
+        rank_errors=None, bad_groups=[], device="cpu", module=None, tp_rank=None, sharding_type=None, warnings=[],
+    )
+    rt.phase("setup")
+    return rt
 
 
-def _fail(result, exc):
-    if isinstance(exc, _Failed):
-        result.update(error=exc.error, phase=exc.phase, rank_errors=exc.per_rank)
-        if getattr(exc, "traceback", None):
-            result["traceback"] = exc.traceback
-    else:
-        result.update(error=f"{type(exc).__name__}: {exc}", phase=result.get("phase") or "setup",
-                      traceback=traceback.format_exc())
+def _record_world_failure(rt, failed):
+    """The world's first failure, the same on every rank; ``traceback`` only where this rank raised it."""
+    rt.fail(failed.error, phase=failed.phase)
+    rt["rank_errors"] = failed.per_rank
+    if getattr(failed, "traceback", None):
+        rt["traceback"] = failed.traceback
 
 
-def _check_loaded(result, built, sharding_type, loaded_type):
+def _check_loaded(rt, built, sharding_type, loaded_type):
     expected = _snapshot(_build(built.layout, SAVE_SEED, sharding_type).opt)
     got = _snapshot(built.opt)
     deltas, bad_groups = _compare(expected, got)
-    result["max_delta"], result["bad_groups"], result["n_tensors"] = deltas, bad_groups, len(deltas)
-    result["sharding_type"] = loaded_type
+    rt["max_delta"], rt["bad_groups"], rt["n_tensors"] = deltas, bad_groups, len(deltas)
+    rt["sharding_type"] = loaded_type
     problems = [f"{k}: {d}" for k, d in deltas.items() if d != 0.0] + bad_groups
     if loaded_type != (None if sharding_type == NON_DISTRIBUTED else sharding_type):
         problems.append(f"sharding type saved {sharding_type!r}, loaded {loaded_type!r}")
@@ -444,16 +450,16 @@ def prepare() -> None:
 def _scenario(body, patched, device):
     if device != "cpu":
         raise ValueError(f"mimo_optimizer scenarios run on CPU/gloo only; device {device!r} asked")
-    result = _result(None, patched)
-    with _cuda_to_cpu_mode():
+    rt = _round_trip()
+    with _cuda_to_cpu_mode(), rt.running():
         try:
             layout = _Layout()
-            result.update(_result(layout, patched))
-            result["fix_state"] = _fix_state(patched)
-            body(layout, result)
-        except Exception as exc:  # noqa: BLE001 - the world's result
-            _fail(result, exc)
-    return result
+            rt["module"], rt["tp_rank"] = layout.module, layout.tp_rank
+            rt["fix_state"] = _fix_state(patched)
+            body(layout, rt)
+        except _Failed as failed:
+            _record_world_failure(rt, failed)
+    return rt.result
 
 
 def _own_type(sharding_type, layout):
@@ -466,20 +472,20 @@ def _own_type(sharding_type, layout):
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """Save with one MimoOptimizer, load into a fresh one with other values, compare everything."""
 
-    def body(layout, result):
+    def body(layout, rt):
         own = _own_type(sharding_type, layout)
         saved = _build(layout, SAVE_SEED, own)
         fresh = _build(layout, FRESH_SEED, own)
         assert _compare(_snapshot(saved.opt), _snapshot(fresh.opt))[1], "fresh param groups equal the saved ones"
         _save(saved, ckpt_dir, own)
-        _load_and_check(layout, result, fresh, ckpt_dir, own)
+        _load_and_check(layout, rt, fresh, ckpt_dir, own)
 
     return _scenario(body, patched, device)
 
 
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """The save half of :func:`round_trip` (cross-release matrix: another environment loads)."""
-    def body(layout, result):
+    def body(layout, rt):
         own = _own_type(sharding_type, layout)
         _save(_build(layout, SAVE_SEED, own), ckpt_dir, own)
 
@@ -489,16 +495,16 @@ def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="
 def load_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """The load half of :func:`round_trip`, on a checkpoint another environment wrote."""
 
-    def body(layout, result):
+    def body(layout, rt):
         own = _own_type(sharding_type, layout)
-        _load_and_check(layout, result, _build(layout, FRESH_SEED, own), ckpt_dir, own)
+        _load_and_check(layout, rt, _build(layout, FRESH_SEED, own), ckpt_dir, own)
 
     return _scenario(body, patched, device)
 
 
-def _load_and_check(layout, result, fresh, ckpt_dir, sharding_type):
-    loaded_type, result["warnings"] = _load(fresh, ckpt_dir, sharding_type)
-    problems = _check_loaded(result, fresh, sharding_type, loaded_type)
+def _load_and_check(layout, rt, fresh, ckpt_dir, sharding_type):
+    loaded_type, rt["warnings"] = _load(fresh, ckpt_dir, sharding_type)
+    problems = _check_loaded(rt, fresh, sharding_type, loaded_type)
     _step("compare", _raise_if, problems)
 
 

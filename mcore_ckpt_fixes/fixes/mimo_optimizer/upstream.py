@@ -1,29 +1,31 @@
-"""Write patches/mimo-optimizer/<release>.patch from pristine Megatron-Core sources.
+"""mimo-optimizer as upstream would write it: what patches/mimo-optimizer/<release>.patch carries.
 
-The edits mirror mcore_ckpt_fixes/fixes/mimo_optimizer.py (the monkeypatch) in effect: the saved
-layout becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for param groups,
-sharding type and grad scaler, replica id (tp, pp, dp), inner keys prefixed ``mimo.<module>.``), and
-the load tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18 already has all but the
-prefix. On every affected release (0.17, 0.18, 0.19) ``dist_checkpointing.load`` (serialization.py)
-also reads what unfixed 0.17/0.18 wrote: the fix module's marked replacement section is copied
+The edits mirror the monkeypatch (:mod:`.patch`, :mod:`.old_layouts`) in effect: the saved layout
+becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for param groups, sharding type
+and grad scaler, replica id (tp, pp, dp), inner keys prefixed ``mimo.<module>.``), and the load
+tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18 already has all but the prefix.
+On every affected release (0.17, 0.18, 0.19) ``dist_checkpointing.load`` (serialization.py) also
+reads what unfixed 0.17/0.18 wrote: the marked replacement section of :mod:`.old_layouts` is copied
 verbatim to the end of serialization.py and called before and after the load, as the monkeypatch's
 wrapper does (the warning is a plain UserWarning there: the package is not imported).
 tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
-round-trips with the monkeypatch off.
+round-trips with the monkeypatch off, and that ``python tools/patchgen mimo-optimizer SRC_ROOT
+RELEASE`` regenerates the committed diff (SRC_ROOT holds the unpacked wheel: SRC_ROOT/megatron/core/...).
 
-    python tools/patchgen/mimo_optimizer.py SRC_ROOT RELEASE > patches/mimo-optimizer/RELEASE.patch
-SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+Nothing is imported from torch or Megatron here (:mod:`.old_layouts` imports neither at module level).
 """
 
-import sys
+from __future__ import annotations
 
-from _diff import refuse_fix_names, replacement_section, write_diff
+from ...sourcediff import Replace, Transform, refuse_names, replacement_section
+from . import old_layouts
 
 PATH = "megatron/core/models/mimo/optimizer.py"
 LOAD_PATH = "megatron/core/dist_checkpointing/serialization.py"
 
-# (releases the edit applies to, anchor, replacement)
-EDITS = [
+# -- MimoOptimizer (optimizer.py): (releases the edit applies to, anchor, replacement) --------------
+
+OPTIMIZER_EDITS = [
     (
         ("0.17", "0.18"),
         "from megatron.core.dist_checkpointing.mapping import ShardedObject\n",
@@ -93,57 +95,49 @@ EDITS = [
     ),
 ]
 
+# -- dist_checkpointing.load (serialization.py): reads the layout unfixed 0.17/0.18 wrote -----------
 
-def patch_text(text: str, release: str) -> str:
-    series = ".".join(release.split(".")[:2])
-    return _apply(text, [(old, new) for releases, old, new in EDITS if series in releases], release)
-
-
-def _apply(text, edits, where):
-    for old, new in edits:
-        count = text.count(old)
-        if count != 1:
-            raise SystemExit(f"patchgen: anchor found {count} times (need 1) in {where}: {old!r}")
-        text = text.replace(old, new)
-    return text
+# In load() only: the other entry points do not verify integrity.
+_LOAD_START = (
+    "    if verify_integrity:\n        verify_integrity_manifest(checkpoint_dir)\n"
+    "    if sharded_strategy is None:\n        sharded_strategy = TorchDistLoadShardedStrategy()\n"
+)
+_LOAD_END = "    if StrictHandling.requires_returning_mismatch_keys(strict):\n"
+_SECTION_HEADER = "\n\n# Reading the MIMO optimizer layout of unfixed Megatron-Core 0.17/0.18 (see load()).\n"
+# Names that exist only in the fix package: the copied section must not need them.
+_FIX_ONLY_NAMES = ("MODULE", "LOAD_MODULE", "ID", "mark", "original", "MegatronPatchWarning")
 
 
-def load_patch_text(text: str, release: str) -> str:
-    """serialization.py: ``load`` reads the MIMO optimizer layout unfixed 0.17/0.18 wrote."""
-    code = replacement_section("mimo_optimizer.py")
-    refuse_fix_names(code, ("MODULE", "LOAD_MODULE", "ID", "mark", "original", "MegatronPatchWarning"))
-    start = (  # in load() only: the other entry points do not verify integrity
-        "    if verify_integrity:\n        verify_integrity_manifest(checkpoint_dir)\n"
-        "    if sharded_strategy is None:\n        sharded_strategy = TorchDistLoadShardedStrategy()\n"
-    )
-    end = "    if StrictHandling.requires_returning_mismatch_keys(strict):\n"
-    text = _apply(text, [
-        ("import logging\n", "import logging\nimport warnings\n"),
-        (start, (
+def _append_section(text: str) -> str:
+    code = refuse_names(replacement_section(old_layouts), _FIX_ONLY_NAMES)
+    return text.rstrip("\n") + "\n" + _SECTION_HEADER + code.rstrip("\n") + "\n"
+
+
+def _load_edits() -> list:
+    return [
+        Replace(LOAD_PATH, "import logging\n", "import logging\nimport warnings\n"),
+        Replace(
+            LOAD_PATH,
+            _LOAD_START,
             "    # MIMO optimizer state an unfixed Megatron-Core 0.17/0.18 wrote (keys without the\n"
             "    # 'mimo.<module>.' prefix) is read from its old keys, with a warning.\n"
             "    sharded_state_dict, finish_mimo_load = align_mimo_optimizer_request(\n"
             "        sharded_state_dict, checkpoint_dir\n"
-            "    )\n" + start
-        )),
-        (end, (
+            "    )\n" + _LOAD_START,
+        ),
+        Replace(
+            LOAD_PATH,
+            _LOAD_END,
             "    mimo_warning = finish_mimo_load(common_state_dict)\n"
             "    if mimo_warning is not None:\n"
-            "        warnings.warn(mimo_warning)\n" + end
-        )),
-    ], release)
-    header = (
-        "\n\n# Reading the MIMO optimizer layout of unfixed Megatron-Core 0.17/0.18 (see load()).\n"
-    )
-    return text.rstrip("\n") + "\n" + header + code.rstrip("\n") + "\n"
+            "        warnings.warn(mimo_warning)\n" + _LOAD_END,
+        ),
+        Transform(LOAD_PATH, _append_section),
+    ]
 
 
-def main(src_root: str, release: str) -> None:
+def source_edits(release: str) -> list:
+    """The edits for ``release``: MimoOptimizer's on 0.17/0.18, the load side on every affected line."""
     series = ".".join(release.split(".")[:2])
-    if any(series in releases for releases, _, _ in EDITS):
-        write_diff(src_root, PATH, lambda text: patch_text(text, release))
-    write_diff(src_root, LOAD_PATH, lambda text: load_patch_text(text, release))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    optimizer = [Replace(PATH, old, new) for releases, old, new in OPTIMIZER_EDITS if series in releases]
+    return optimizer + _load_edits()

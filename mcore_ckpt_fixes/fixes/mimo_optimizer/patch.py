@@ -1,44 +1,7 @@
-"""mimo-optimizer: ``MimoOptimizer`` checkpoints with non-colocated modules save and load every module.
-
-Affected: Megatron-Core 0.17.x (four defects) and 0.18.x (one); ``megatron.core.models.mimo``
-appeared in 0.17.0, so 0.16 is not-applicable. Upstream: NVIDIA/Megatron-LM's MIMO optimizer
-checkpointing changes that shipped in 0.18.0 (``setdefault('optimizer')`` on load,
-``param_state_sharding_type`` as a ShardedObject, TP rank in ``_get_replica_id``) and in 0.19.0
-(``add_prefix_for_sharding(module_sd, 'mimo.<module>.')``).
-
-Failures prevented, with the modules on disjoint ranks (rank 0 the language model, rank 1 the
-vision encoder), as ``MimoOptimizer`` is built for heterogeneous parallelism:
-
-(a) 0.17: ``dist_checkpointing`` keeps plain (non-sharded) values in the common state that only
-    global rank 0 writes. A module not active on rank 0 loses its ``optimizer`` sub-dict, and
-    ``MimoOptimizer.load_state_dict`` raises ``KeyError: 'optimizer'``.
-(b) 0.17: ``param_state_sharding_type`` is plain too, so the other modules never get theirs back
-    (``DistributedOptimizer.load_state_dict`` asserts it is there).
-(c) 0.17: ``_get_replica_id`` returns ``(0, pp, dp)``: every TP rank claims to be the main replica
-    of the module's param groups (``Duplicate ShardedObject keys ... param_groups``).
-(d) 0.17 and 0.18: the inner ``DistributedOptimizer``s of two modules name their ShardedObjects and
-    ShardedTensors alike (``optimizer.distributed.dp_group_idx_0...``: the index is the rank in the
-    module's own model-parallel group), so the save fails with ``Duplicate ShardedObject keys``.
-
-How: ``MimoOptimizer.sharded_state_dict`` and ``load_state_dict`` are replaced by versions that
-write exactly what 0.19 writes (so a checkpoint saved by a patched 0.17/0.18 loads on unpatched
-0.19): param groups, sharding type and grad scaler as per-module ShardedObjects whose replica id
-is ``(tp, pp, dp)``, the emptied ``optimizer`` sub-dict dropped, and every inner key prefixed
-with ``mimo.<module>.``. On load, the missing ``optimizer`` sub-dict is recreated.
-
-Reading what unfixed releases wrote (0.17.x-0.19.x): in the configurations an unpatched 0.17/0.18
-can save (one module with an optimizer, e.g. a frozen encoder) its MIMO optimizer keys carry no
-``mimo.<module>.`` prefix and, on 0.17, the sharding type sits in the common state that only global
-rank 0 writes (so a module on another rank has none). The keys a load asks for are fixed in
-``sharded_state_dict`` before anything opens the checkpoint, so this half wraps
-``dist_checkpointing.load``: when the request holds ``mimo.<module>.`` keys, it reads the checkpoint's
-metadata (names only); for a module whose state is stored only under the unprefixed names it asks for
-those, fills a sharding type the checkpoint does not have with the one the load requested (its keys
-are that type's keys, or the load would fail on them), and emits one ``MegatronPatchWarning`` naming
-the old layout. Upstream 0.19 writes the new layout but reads only it: there this load side is all
-the fix contributes, and ``status`` says so. The probe runs the real ``dist_checkpointing.load`` on
-a throw-away two-file checkpoint written by ``torch.distributed.checkpoint`` (no process group) and
-a recording load strategy, so a source-patched Megatron is recognised as fixed.
+"""mimo-optimizer, the monkeypatch: ``MimoOptimizer.sharded_state_dict`` / ``load_state_dict`` and
+``_get_replica_id`` replaced on 0.17/0.18 (save side), ``dist_checkpointing.load`` wrapped on every
+affected release (load side, which asks :mod:`.old_layouts` what to request), the probe and apply.
+What the fix prevents and how: see the package docstring. Imported only when the target module is.
 """
 
 from __future__ import annotations
@@ -50,13 +13,10 @@ import os
 import types
 import warnings
 
-from ..engine.errors import MegatronPatchWarning
-from ..engine.fix import Fix, Target
-from ..engine.patching import Patcher, mark, original
-
-ID = "mimo-optimizer"
-MODULE = "megatron.core.models.mimo.optimizer"
-LOAD_MODULE = "megatron.core.dist_checkpointing.serialization"
+from ...engine.errors import MegatronPatchWarning
+from ...engine.patching import Patcher, mark, original
+from . import ID, LOAD_MODULE, MODULE
+from .old_layouts import _mimo_sharded_leaves, align_mimo_optimizer_request
 
 # Where each plain value travels in the 0.18+/0.19 layout: sub-dict key -> ShardedObject name.
 _GROUPS, _TYPE, _SCALER = "_mimo_param_groups", "_mimo_param_state_sharding_type", "_mimo_grad_scaler"
@@ -188,150 +148,7 @@ def get_replica_id(pg_collection):
     return replica_id(pg_collection)
 
 
-# -- replacement ---------------------------------------------------------------------------------
-# (tools/patchgen/mimo_optimizer.py copies the code from here to the end marker into
-# megatron/core/dist_checkpointing/serialization.py for patches/mimo-optimizer/: keep it
-# self-contained, imports inside the functions.)
-
-
-def _mimo_sharded_leaves(tree):
-    """(path, item) for every ShardedBase leaf of a nested dict/list state dict."""
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    stack = [((), tree)]  # iterative: every load walks its whole request once
-    while stack:
-        path, node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend((path + (k,), v) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((path + (i,), v) for i, v in enumerate(node))
-        elif isinstance(node, ShardedBase):
-            yield path, node
-
-
-def _mimo_stored_name(item):
-    """The name torch_dist stores an item under (a ShardedObject carries its shard in the name)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return item.unique_key if isinstance(item, ShardedObject) else item.key
-
-
-def _mimo_checkpoint_names(checkpoint_dir):
-    """Every item name in a torch_dist checkpoint's metadata (the tensors are not read)."""
-    try:
-        from megatron.core.dist_checkpointing.strategies.torch import _get_filesystem_reader
-
-        reader = _get_filesystem_reader(checkpoint_dir)
-    except ImportError:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        reader = FileSystemReader(str(checkpoint_dir))
-    return set(reader.read_metadata().state_dict_metadata)
-
-
-def _mimo_set(tree, path, value):
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
-def _mimo_copy_containers(tree):
-    if isinstance(tree, dict):
-        return {k: _mimo_copy_containers(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_mimo_copy_containers(v) for v in tree]
-    return tree
-
-
-# The per-module objects MimoOptimizer adds (0.17: param groups and grad scaler; 0.18+: the
-# sharding type too): position in the module's sub-dict -> the plain value they stand for.
-_MIMO_PLAIN_FIELDS = {
-    "_mimo_param_groups": ("optimizer", "param_groups"),
-    "_mimo_param_state_sharding_type": ("param_state_sharding_type",),
-    "_mimo_grad_scaler": ("grad_scaler",),
-}
-
-
-def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
-    """(request, finish): what ``dist_checkpointing.load`` should ask for, and ``finish(loaded)``,
-    which completes the loaded state dict and returns the warning to give (or None).
-
-    A MIMO optimizer module whose keys (``mimo.<module>.<key>``) are absent from the checkpoint
-    while the unprefixed ``<key>`` names are there was saved by an unfixed Megatron-Core
-    0.17/0.18: ask for the unprefixed names. What that layout did not store for a module (0.17
-    keeps the sharding type in the common state, which only global rank 0 writes) is filled with
-    the value the load requested: the module's optimizer keys are that sharding type's keys, or
-    the load would already fail on them. The caller's dict is left as it was built.
-    """
-    import dataclasses
-    import re
-
-    modules = {}
-    mimo_key = re.compile(r"mimo\.([^.]+)\.")
-    for path, item in _mimo_sharded_leaves(sharded_state_dict):
-        match = mimo_key.match(item.key) if item.key.startswith("mimo.") else None
-        if match:
-            modules.setdefault(match.group(1), []).append((path, item))
-    if not modules:
-        return sharded_state_dict, lambda loaded: None
-    names = _mimo_checkpoint_names(checkpoint_dir)
-    old = {}
-    for module, items in modules.items():
-        prefix = f"mimo.{module}."
-        if any(name.startswith(prefix) for name in names):
-            continue  # the current layout: nothing to do for this module
-        renamed = [(path, dataclasses.replace(item, key=item.key[len(prefix):])) for path, item in items]
-        if any(_mimo_stored_name(item) in names for _, item in renamed):
-            old[module] = renamed
-    if not old:
-        return sharded_state_dict, lambda loaded: None  # unknown layout: let the load report it
-    request = _mimo_copy_containers(sharded_state_dict)
-    missing = []  # (path, module, value requested) for objects the old layout did not store
-    for module, renamed in old.items():
-        for path, item in renamed:
-            field = str(path[-1]).split(".")[0]
-            if field in _MIMO_PLAIN_FIELDS and _mimo_stored_name(item) not in names:
-                _mimo_set(request, path, None)
-                missing.append((path, module, item.data))
-            else:
-                _mimo_set(request, path, item)
-    for path, _, _ in missing:
-        parent = request
-        for key in path[:-1]:
-            parent = parent[key]
-        del parent[path[-1]]
-
-    def finish(loaded):
-        assumed = []
-        for path, module, value in missing:
-            parent = loaded
-            for key in path[:-1]:
-                parent = parent.setdefault(key, {}) if isinstance(parent, dict) else parent[key]
-            plain = _MIMO_PLAIN_FIELDS[str(path[-1]).split(".")[0]]
-            holder = parent
-            for key in plain[:-1]:
-                holder = holder.get(key, {}) if isinstance(holder, dict) else {}
-            if isinstance(holder, dict) and plain[-1] in holder:
-                continue  # the common state had it (the module on global rank 0)
-            parent[path[-1]] = value
-            assumed.append(f"{module}.{plain[-1]} = {value!r}")
-        text = (
-            f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
-            f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
-            f"read from those keys"
-        )
-        if assumed:
-            text += (
-                "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
-                "writes), so taken from this load's request, whose keys the checkpoint has: "
-                + ", ".join(assumed)
-            )
-        return text + "; the next save writes the current layout"
-
-    return request, finish
-
-
-# -- end of replacement ---------------------------------------------------------------------------
+# -- load side (what to request for which stored layout: old_layouts.py) ----------------------
 
 
 @mark(ID)
@@ -497,17 +314,3 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
         # user code call) is the same function, bound by ``from .serialization import load``.
         patcher.replace_function(importlib.import_module(LOAD_MODULE), "load", load)
 
-
-FIX = Fix(
-    id=ID,
-    summary=(
-        "MimoOptimizer checkpoints with non-colocated modules keep every module's state, sharding type "
-        "and keys, and the layout unfixed 0.17/0.18 wrote still loads"
-    ),
-    affected=">=0.17.0,<=0.19.2",
-    upstream=(
-        "fixed upstream in Megatron-Core 0.18.0 (a, b, c) and 0.19.0 (d): megatron/core/models/mimo/optimizer.py",
-        "reading the 0.17/0.18 layout: not upstream as of 0.19.2 (0.19 reads only its own layout)",
-    ),
-    targets=(Target(MODULE, probe, apply),),
-)
