@@ -304,20 +304,6 @@ def _round_trip(device):
     return rt
 
 
-@contextlib.contextmanager
-def _recording(rt):
-    """``rt.running()``, and torch's ``CheckpointException`` recorded as well: it derives from
-    ``BaseException``, not ``Exception``, and an unfixed release raises it on every rank when it
-    cannot find the RNG key of a per-rank checkpoint (the tests read that error as a result)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with rt.running():
-        try:
-            yield rt
-        except CheckpointException as exc:
-            rt.record(exc)
-
-
 def _save(args, model, stand_in, rt, patched):
     from megatron.training.checkpointing import save_checkpoint
 
@@ -363,7 +349,7 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
     model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
-    with CudaRngStandIn() as stand_in, _recording(rt):
+    with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
         saved = _save(args, model, stand_in, rt, patched)
         saved_model = _model_tensors(model)
@@ -387,7 +373,7 @@ def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_r
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
-    with CudaRngStandIn() as stand_in, _recording(rt):
+    with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
         rt["saved"] = _save(args, model, stand_in, rt, patched)
         rt["n_tensors"] = len(rt["saved"])
@@ -400,7 +386,7 @@ def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=Fal
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
-    with CudaRngStandIn() as stand_in, _recording(rt):
+    with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(
             ckpt_dir, device, no_load_rng=no_load_rng, data_parallel_random_init=data_parallel_random_init
         )
