@@ -1,4 +1,4 @@
-"""One module per fix, each defining ``FIX = Fix(...)``; the engine discovers them.
+"""One package per fix (``fixes/<fix>/``), whose ``__init__`` defines ``FIX = Fix(...)``; the engine discovers them.
 
 ORDER only fixes the order ``status`` lists them in (DESIGN.md §1).
 """

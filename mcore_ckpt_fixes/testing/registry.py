@@ -172,12 +172,7 @@ def all_scenarios():
 
     found = []
     for fix in ENGINE.discover().values():
-        mine = _declared(fix)
-        if not mine:  # transitional: fixes not moved into their own package yet
-            from .. import scenarios as legacy
-
-            mine = tuple(s for s in legacy.SCENARIOS if s.fix_id == fix.id)
-        found.extend(mine)
+        found.extend(_declared(fix))
     return tuple(found)
 
 

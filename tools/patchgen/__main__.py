@@ -7,7 +7,6 @@ from the fix's upstream-shaped module, ``mcore_ckpt_fixes/fixes/<fix>/upstream.p
 
 import importlib
 import os
-import runpy
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,12 +16,7 @@ def main(fix_id: str, src_root: str, release: str) -> None:
     sys.path.insert(0, ROOT)
     pkg = fix_id.replace("-", "_")
     if not os.path.isfile(os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg, "upstream.py")):
-        # Transitional: a fix not moved into its own package yet keeps its own script.
-        here = os.path.dirname(os.path.abspath(__file__))
-        sys.path.insert(0, here)
-        sys.argv = [os.path.join(here, f"{pkg}.py"), src_root, release]
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        return
+        raise SystemExit(f"patchgen: no fix {fix_id!r} with an upstream.py (mcore_ckpt_fixes/fixes/{pkg}/upstream.py)")
     from mcore_ckpt_fixes.sourcediff import render
 
     upstream = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.upstream")
