@@ -101,13 +101,22 @@ def _cut(rows, dp_rank, dp_size):
     return bounds[dp_rank], bounds[dp_rank + 1]
 
 
+def _adapter_class(adapter):
+    """The Megatron-FSDP adapter class that builds the meshes: ``FullyShardedDataParallel`` up to
+    0.19; on Megatron-LM main that name is a factory and ``FullyShardedDataParallelV1`` the class."""
+    cls = adapter.FullyShardedDataParallel
+    if not hasattr(cls, "_init_dist_index"):
+        cls = getattr(adapter, "FullyShardedDataParallelV1", cls)
+    return cls
+
+
 class _Layout:
     """This rank's coordinates, and every rank's, from the real parallel_state / Megatron-FSDP meshes."""
 
     def __init__(self):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
 
         ps.initialize_model_parallel(expert_model_parallel_size=EP)
         self.ep_rank = ps.get_expert_model_parallel_rank()
@@ -124,7 +133,7 @@ class _Layout:
         with cpu_device_meshes():
             # What __init__ has set on the wrapper by then (0.18+ reads num_moe_experts).
             wrapper = types.SimpleNamespace(ddp_config=ddp_config, num_moe_experts=NUM_EXPERTS)
-            self.index = FullyShardedDataParallel._init_dist_index(wrapper, None)
+            self.index = _adapter_class(adapter)._init_dist_index(wrapper, None)
         coords = [None] * dist.get_world_size()
         dist.all_gather_object(coords, (self.ep_rank, self.edp_rank, self.dp_rank))
         self.coords = coords  # rank -> (ep rank, expert-dp rank, dense-dp rank)

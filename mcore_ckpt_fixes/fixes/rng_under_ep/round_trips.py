@@ -177,6 +177,10 @@ def _setup(ckpt_dir, device, **flags):
             args = arguments.parse_args()
             arguments.validate_args(args, {})
             global_vars.set_global_variables(args, build_tokenizer=False)
+        # Megatron-LM main saves the tokenizer's files beside a torch_dist checkpoint by default;
+        # this round trip builds no tokenizer (its model takes token ids only).
+        if getattr(args, "save_tokenizer_assets", False):
+            args.save_tokenizer_assets = False
     finally:
         sys.argv = saved_argv
     mpu.initialize_model_parallel(
