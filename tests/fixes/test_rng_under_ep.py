@@ -355,3 +355,81 @@ def test_source_patch_reads_old_layout(old_ckpt, tmp_path, mcore_version):
         assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("UserWarning: "), r["warnings"]
         assert OLD_LAYOUT in r["warnings"][0] and f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0], r["warnings"]
         assert _same(r["loaded"], saved[0]), rank
+
+
+# -- fsdp_dtensor (Megatron-FSDP users' format): the same bug in the plain RNG entry ----------------
+# The model is not wrapped in Megatron-FSDP (its CUDA buffers cannot be built on a CPU host; the RNG
+# entry does not depend on the wrapper): the real get_rng_state, save_checkpoint and load_checkpoint
+# go through their fsdp_dtensor branches (see round_trips._setup).
+
+FSDP_OLD_LAYOUT = "it was written before rng-under-ep covered fsdp_dtensor"
+
+
+def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(tmp_path, mcore_version):
+    """One entry per (pp, tp): DCP keeps one copy of each leaf, the tensors from one rank and the
+    objects from the other, so neither rank gets its own states back."""
+    _need_training(mcore_version)
+    r0, r1 = _world("ep2_fsdp_dtensor", False, tmp_path)
+    saved = [r0["saved"], r1["saved"]]
+    _ranks_differ(saved)
+    assert r0["layout"] == ["(0, 0)"] and r1["layout"] == ["(0, 0)"], (r0["layout"], r1["layout"])
+    for rank, r in enumerate((r0, r1)):
+        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r["error"]
+        assert r["model_max_delta"] == 0.0 and r["warnings"] == []
+        # Every component is one of the two ranks' saved states, and some are the other rank's.
+        for k in COMPONENTS:
+            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
+        assert any(_delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
+    from mcore_ckpt_fixes.testing import Bug
+
+    assert Bug.wrong_values().seen_in([r0, r1])
+
+
+def test_fsdp_dtensor_patched_round_trip_is_exact(tmp_path, mcore_version):
+    _need_training(mcore_version)
+    results = _ok(_world("ep2_fsdp_dtensor", True, tmp_path))
+    _ranks_differ([r["saved"] for r in results])
+    for rank, r in enumerate(results):
+        assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]  # the release's entry + this rank's own
+        assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
+        assert _same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0 and r["warnings"] == []
+
+
+@pytest.fixture(scope="module")
+def fsdp_old_ckpt(tmp_path_factory, mcore_version):
+    _need_training(mcore_version)
+    d = tmp_path_factory.mktemp("rng-fsdp-old")
+    return d, [r["saved"] for r in _ok(_world("save_only", False, d, ckpt_format="fsdp_dtensor"))]
+
+
+@pytest.fixture(scope="module")
+def fsdp_new_ckpt(tmp_path_factory, mcore_version):
+    _need_training(mcore_version)
+    d = tmp_path_factory.mktemp("rng-fsdp-new")
+    return d, [r["saved"] for r in _ok(_world("save_only", True, d, ckpt_format="fsdp_dtensor"))]
+
+
+def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
+    """What an unfixed release wrote: the fixed load restores the shared copy, as the unfixed load
+    does (the same values on both ranks), and says so, naming the old layout."""
+    d, saved = fsdp_old_ckpt
+    fixed = _ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))
+    unfixed = _world("load_only", False, d, ckpt_format="fsdp_dtensor")
+    for rank, (r, u) in enumerate(zip(fixed, unfixed)):
+        assert len(r["warnings"]) == 1, r["warnings"]
+        (w,) = r["warnings"]
+        assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and FSDP_OLD_LAYOUT in w, w
+        assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
+        assert u["error"] is None and _same(r["loaded"], u["loaded"]), rank
+
+
+def test_fsdp_dtensor_new_layout_loads_after_restart_and_on_an_unfixed_release(fsdp_new_ckpt):
+    """Written with the fix: the fixed load restores every rank's own states; an unfixed release
+    reads it as it reads its own checkpoints (the release's entry is kept), never failing."""
+    d, saved = fsdp_new_ckpt
+    _ranks_differ(saved)
+    for rank, r in enumerate(_ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))):
+        assert not _same(r["before"], saved[rank]) and _same(r["loaded"], saved[rank]) and r["warnings"] == [], rank
+    for rank, r in enumerate(_ok(_world("load_only", False, d, ckpt_format="fsdp_dtensor"))):
+        for k in COMPONENTS:
+            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)

@@ -35,8 +35,13 @@ An unfixed release cannot read the RNG state of a checkpoint written with this f
 is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.
 It stops in ``load_checkpoint``; ``--no-load-rng`` (or applying this fix) gets past it.
 
-Only ``torch_dist`` is changed: the ``fsdp_dtensor`` and ``torch_dcp`` RNG entries are plain
-(non-sharded) objects and are left as the release writes them.
+``fsdp_dtensor`` (Megatron-FSDP users' format; :mod:`.fsdp_dtensor`): the release keys its plain RNG
+entry by ``(pp, tp)`` too, and DCP keeps one copy of each leaf of it, written by different ranks:
+every rank of a (pp, tp) resumes on a mix. With the fix every rank also saves its own entry under
+``(pp, tp, dp_cp)`` (the release's entry is kept, so an unfixed release reads a fixed checkpoint as
+its own), and a load restores it, or the shared copy with a warning where the checkpoint has none
+(older layout), deciding from the metadata DCP reads anyway. The ``torch_dcp`` entry (a plain list,
+no parallel layout) is left as the release writes it. The source diffs cover ``torch_dist`` only.
 """
 
 from ...engine.fix import Fix, Target

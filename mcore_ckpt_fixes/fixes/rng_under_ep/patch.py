@@ -13,6 +13,8 @@ import types
 
 from ...engine.patching import Patcher, mark, original
 from . import ID, MODULE
+from . import fsdp_dtensor
+from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
 
 _SIGNATURES: dict = {}
@@ -29,6 +31,14 @@ def _is_rng_object(obj) -> bool:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return isinstance(obj, ShardedObject) and obj.key.endswith("rng_state")
+
+
+def _dp_cp_group_arg(func, args, kwargs):
+    """The ``dp_cp_group`` a caller passed (0.19 takes one), or None."""
+    try:
+        return _bind(func, args, kwargs).arguments.get("dp_cp_group")
+    except TypeError:
+        return None
 
 
 def _dp_cp_rank_and_size(dp_cp_group):
@@ -51,16 +61,16 @@ def _dp_cp_rank_and_size(dp_cp_group):
 
 @mark(ID)
 def get_rng_state(*args, **kwargs):
-    """``megatron.training.checkpointing.get_rng_state``, with the ``torch_dist`` object per rank."""
+    """``megatron.training.checkpointing.get_rng_state``, with the RNG state of every rank its own:
+    ``torch_dist``, a per-rank ShardedObject; ``fsdp_dtensor``, a per-rank entry beside the release's."""
     func = original(MODULE, "get_rng_state")
     state = func(*args, **kwargs)
+    if fsdp_dtensor_entry(state) is not None:
+        dp_cp_rank, _ = _dp_cp_rank_and_size(_dp_cp_group_arg(func, args, kwargs))
+        return with_per_rank_entry(state, dp_cp_rank)
     if not _is_rng_object(state) or len(state.global_shape) != 2:
-        return state  # torch / torch_dcp / fsdp_dtensor: a plain list or dict, left as the release writes it
-    try:
-        dp_cp_group = _bind(func, args, kwargs).arguments.get("dp_cp_group")
-    except TypeError:
-        dp_cp_group = None
-    dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(dp_cp_group)
+        return state  # torch / torch_dcp: a plain list, left as the release writes it
+    dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(_dp_cp_group_arg(func, args, kwargs))
     return dataclasses.replace(
         state,
         global_shape=(*state.global_shape, dp_cp_size),
@@ -110,6 +120,32 @@ def load_global_dist_base_checkpoint(*args, **kwargs):
         # load_checkpoint restores whatever it finds under "rng_state": hand it this rank's current
         # states (what get_rng_state collected for the request), so restoring changes nothing.
         result[0]["rng_state"] = template.data
+    return result
+
+
+@mark(ID)
+def load_base_checkpoint(*args, **kwargs):
+    """``megatron.training.checkpointing._load_base_checkpoint``: after an ``fsdp_dtensor`` load,
+    hand load_checkpoint this rank's own RNG entry under the key it looks up (:mod:`.fsdp_dtensor`)."""
+    func = original(MODULE, "_load_base_checkpoint")
+    try:
+        sharded = _bind(func, args, kwargs).arguments.get("sharded_state_dict")
+    except TypeError:
+        sharded = None
+    request = sharded.get("rng_state") if isinstance(sharded, dict) else None
+    if request is None or fsdp_dtensor_entry(request) is None:
+        return func(*args, **kwargs)
+    request = dict(request)  # its keys as asked: the planner may leave this rank's own entry out
+    result = func(*args, **kwargs)
+    if not isinstance(result, tuple):
+        return result
+    warning = restore_own_entry(request, result[0])
+    if warning is not None:
+        import warnings
+
+        from ...engine.errors import MegatronPatchWarning
+
+        warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
     return result
 
 
@@ -210,4 +246,11 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
     # (user code, forks of the training loop) is rebound as well.
     patcher.replace_function(module, "get_rng_state", get_rng_state)
     patcher.replace_function(module, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)
+    if hasattr(module, "_load_base_checkpoint"):
+        patcher.replace_function(module, "_load_base_checkpoint", load_base_checkpoint)
+    if hasattr(module, "default_planner"):
+        # Namespace-local: only load_checkpoint's fsdp_dtensor branch plans through it.
+        # Read through the module: revert points globals that hold a replacement back at the
+        # original everywhere except in the module that defines it.
+        patcher.replace(module, "default_planner", fsdp_dtensor.DEFAULT_PLANNER)
 

@@ -164,7 +164,7 @@ def _argv(ckpt_dir, data_parallel_random_init=False, no_load_rng=False):
     return argv
 
 
-def _setup(ckpt_dir, device, **flags):
+def _setup(ckpt_dir, device, ckpt_format="torch_dist", **flags):
     """Megatron's args (parsed and validated as for a training run), parallel state, a model."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
@@ -181,6 +181,13 @@ def _setup(ckpt_dir, device, **flags):
         # this round trip builds no tokenizer (its model takes token ids only).
         if getattr(args, "save_tokenizer_assets", False):
             args.save_tokenizer_assets = False
+        if ckpt_format != "torch_dist":
+            # fsdp_dtensor: validate_args insists on --use-megatron-fsdp, whose CUDA buffers a CPU
+            # host cannot build; the RNG entry does not depend on the model wrapper, so the plain
+            # model goes through save_checkpoint's and load_checkpoint's fsdp_dtensor branches.
+            args.ckpt_format = ckpt_format
+            # load_checkpoint tells fsdp_dtensor from torch_dcp by this flag.
+            args.use_megatron_fsdp = ckpt_format == "fsdp_dtensor"
     finally:
         sys.argv = saved_argv
     mpu.initialize_model_parallel(
@@ -283,6 +290,8 @@ def _saved_layout(args):
     obj = checkpointing.get_rng_state(
         args.ckpt_format, mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group()
     )
+    if isinstance(obj, dict):  # fsdp_dtensor: a plain dict, keyed by its layout
+        return sorted(obj)
     return list(obj.global_shape), list(obj.global_offset), obj.replica_id
 
 
@@ -348,13 +357,14 @@ def _teardown():
 # -- scenarios --------------------------------------------------------------------------------------
 
 
-def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False):
+def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False,
+                   ckpt_format="torch_dist"):
     """save_checkpoint, new RNG states everywhere, load_checkpoint: every rank's RNG states (and its
     model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
-        args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
+        args, model = _setup(ckpt_dir, device, ckpt_format, data_parallel_random_init=data_parallel_random_init)
         saved = _save(args, model, stand_in, rt, patched)
         saved_model = _model_tensors(model)
         _scramble(model)
@@ -373,26 +383,33 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
     return rt.result
 
 
-def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False):
+def ep2_fsdp_dtensor(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """The same round trip in the ``fsdp_dtensor`` format (Megatron-FSDP users' format)."""
+    return ep2_round_trip(rank, world_size, ckpt_dir, patched, device, ckpt_format="fsdp_dtensor")
+
+
+def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False,
+              ckpt_format="torch_dist"):
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
-        args, model = _setup(ckpt_dir, device, data_parallel_random_init=data_parallel_random_init)
+        args, model = _setup(ckpt_dir, device, ckpt_format, data_parallel_random_init=data_parallel_random_init)
         rt["saved"] = _save(args, model, stand_in, rt, patched)
         rt["n_tensors"] = len(rt["saved"])
     _teardown()
     return rt.result
 
 
-def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=False, data_parallel_random_init=False):
+def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=False, data_parallel_random_init=False,
+              ckpt_format="torch_dist"):
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(
-            ckpt_dir, device, no_load_rng=no_load_rng, data_parallel_random_init=data_parallel_random_init
+            ckpt_dir, device, ckpt_format, no_load_rng=no_load_rng, data_parallel_random_init=data_parallel_random_init
         )
         rt.phase("precondition")
         rt["fix_state"] = _fix_state(patched)

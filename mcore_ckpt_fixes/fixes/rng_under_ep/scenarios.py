@@ -14,3 +14,9 @@ SCENARIOS = (
         doc="Megatron's save_checkpoint / load_checkpoint, torch_dist, EP=2 GPTModel: every rank's RNG states",
     ),
 )
+
+# fsdp_dtensor (Megatron-FSDP users' format), run by the tests (tests/fixes/test_rng_under_ep.py),
+# not registered for selftest: the source diffs (patches/rng-under-ep) cover torch_dist only, and
+# tests/patches round-trips every registered scenario with the monkeypatch off on the patched source.
+# Unpatched both ranks restore a mix of the two ranks' states (DCP keeps one copy of each leaf).
+FSDP_DTENSOR = f"{_RNG}:ep2_fsdp_dtensor"
