@@ -2,9 +2,10 @@
 (``fsdp_dtensor`` / ``torch_dcp``), from their metadata only.
 
 Files read: ``metadata.json`` (torch_dist's marker: backend and version), ``.metadata`` (DCP's
-pickled index of every tensor's chunks and every byte object, read through safe_pickle), and the
-names and sizes of the other files (``os.stat``). No ``.distcp`` byte and no ``common.pt`` byte is
-read.
+pickled index of every tensor's chunks and every byte object, read through safe_pickle), the pickle
+record of ``common.pt`` and the byte objects inside the ``.distcp`` files (small pickles a load
+unpickles: walked with the allow-list, see files), and the names and sizes of the other files
+(``os.stat``). No tensor payload is read.
 
 Which Megatron-Core releases read a torch_dist checkpoint depends on where its common (non-sharded)
 state is: up to 0.18 ``dist_checkpointing.save`` writes it to ``common.pt`` and ``load`` requires
@@ -23,7 +24,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from . import coverage, experts, safe_pickle
+from . import coverage, dcp_objects, experts, files, safe_pickle
 from .report import Unreadable
 
 RELEASES = ("0.16", "0.17", "0.18", "0.19")
@@ -42,6 +43,7 @@ def is_distributed(names: List[str]) -> bool:
 
 
 def read_metadata(path: str, report) -> object:
+    """DCP's index, walked with the allow-list unpickler; raises Unreadable or safe_pickle.UnsafeGlobal."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -50,8 +52,8 @@ def read_metadata(path: str, report) -> object:
     report.bytes_read += len(data)
     try:
         md = safe_pickle.loads(data)
-    except safe_pickle.UnsafeGlobal as exc:
-        raise Unreadable(f"{path}: {exc}") from None
+    except safe_pickle.UnsafeGlobal:
+        raise
     except Exception as exc:  # truncated/corrupt pickles raise EOFError, UnpicklingError, ValueError, ...
         raise Unreadable(
             f"cannot read {path} ({len(data)} bytes): truncated or corrupt ({type(exc).__name__}: {exc}); "
@@ -84,31 +86,61 @@ def _listed(report, code: str, items: List[str], head: str) -> List[dict]:
     return out
 
 
+class Verdict:
+    """Which releases can read the checkpoint, and why; narrowed as findings come in."""
+
+    def __init__(self):
+        self.readable, self.reason = list(RELEASES), ""
+
+    def none(self, reason: str) -> None:
+        self.readable, self.reason = [], reason
+
+
 def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     has_cfg, has_md = CONFIG in names, DCP_METADATA in names
-    distcp = [n for n in names if n.endswith(".distcp")]
     has_common = COMMON in names
     cfg, cfg_err = (_read_config(os.path.join(ckdir, CONFIG), report) if has_cfg else (None, None))
     if cfg_err:
         report.problem("metadata-json-unreadable", cfg_err)
-    readable = list(RELEASES)
-    reason = ""
-
     if not has_md:
-        report["format"] = "torch_dist" if (has_cfg or has_common) else "unknown"
-        report["format_reason"] = "incomplete save"
-        report.problem(
-            "incomplete-save",
-            f"{len(distcp)} .distcp files but no .metadata"
-            + ("" if has_cfg else f" and no {CONFIG}")
-            + ": the save did not finish (.metadata is written after every rank's data); nothing can load this",
-        )
-        report["readable_by"], report["readable_by_reason"] = [], "incomplete save"
+        _incomplete(report, names, has_cfg, has_common)
         return
-
-    md = read_metadata(os.path.join(ckdir, DCP_METADATA), report)
+    try:
+        md = read_metadata(os.path.join(ckdir, DCP_METADATA), report)
+    except safe_pickle.UnsafeGlobal as exc:
+        report["format"] = "torch_dist" if (has_cfg or has_common) else "unknown"
+        files.unsafe_pickle(report, DCP_METADATA, exc, "DCP's load unpickles it with pickle.load")
+        report["readable_by"], report["readable_by_reason"] = [], "unsafe pickle in .metadata"
+        return
     sdm: Dict[str, object] = md.state_dict_metadata
     keys = list(sdm)
+    verdict = Verdict()
+    _format(report, cfg, has_cfg, has_common, sdm, keys, verdict)
+    _coverage(report, sdm, verdict)
+    objects = _data_files(report, ckdir, md, verdict)
+    if has_common:
+        files.read_torch_file(report, ckdir, COMMON)
+    _experts(report, sdm, keys)
+    _rng(report, keys, run)
+    _common_state(report, sdm, has_common, verdict)
+    report["readable_by"], report["readable_by_reason"] = verdict.readable, verdict.reason
+
+
+def _incomplete(report, names: List[str], has_cfg: bool, has_common: bool) -> None:
+    distcp = [n for n in names if n.endswith(".distcp")]
+    report["format"] = "torch_dist" if (has_cfg or has_common) else "unknown"
+    report["format_reason"] = "incomplete save"
+    report.problem(
+        "incomplete-save",
+        f"{len(distcp)} .distcp files but no .metadata"
+        + ("" if has_cfg else f" and no {CONFIG}")
+        + ": the save did not finish (.metadata is written after every rank's data); nothing can load this",
+    )
+    report["readable_by"], report["readable_by_reason"] = [], "incomplete save"
+
+
+def _format(report, cfg, has_cfg: bool, has_common: bool, sdm, keys: List[str], verdict: Verdict) -> None:
+    """torch_dist (by metadata.json, or by its files when that is missing), fsdp_dtensor or torch_dcp."""
     looks_torch_dist = has_common or COMMON_KEY in sdm or any("/shard_" in k for k in keys)
     if has_cfg and cfg is not None:
         backend = cfg.get("sharded_backend")
@@ -116,11 +148,11 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
         report["format_reason"] = f"{CONFIG}: sharded_backend={backend!r}, version {cfg.get('sharded_backend_version')}"
         if backend != "torch_dist":
             report.problem("unsupported-backend", f"sharded_backend {backend!r}: releases 0.16-0.19 load torch_dist only")
-            readable, reason = [], f"backend {backend!r}"
+            verdict.none(f"backend {backend!r}")
     elif has_cfg:
         report["format"] = "torch_dist"
         report["format_reason"] = f"{CONFIG} present but unreadable"
-        readable, reason = [], f"{CONFIG} unreadable"
+        verdict.none(f"{CONFIG} unreadable")
     elif looks_torch_dist:
         report["format"] = "torch_dist"
         report["format_reason"] = (f"DCP files with dist_checkpointing's "
@@ -131,7 +163,7 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
             f"(check_is_distributed_checkpoint is false) and fails to load it; {CONFIG} is written last, "
             "so the save did not finish, or the file was removed",
         )
-        readable, reason = [], f"no {CONFIG}"
+        verdict.none(f"no {CONFIG}")
     else:
         fsdp = any(_FSDP_RNG.search(k) for k in keys) or any(
             experts._GROUPED.match(k) for k in keys if ".experts." in k)
@@ -141,7 +173,9 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
             "experts' weight{i})" if fsdp else "plain torch DCP (.metadata, no metadata.json)"
         )
 
-    # Chunks: every tensor covered exactly.
+
+def _coverage(report, sdm, verdict: Verdict) -> None:
+    """Every tensor covered exactly by its chunks."""
     n_tensors = n_chunks = n_objects = 0
     cov: List[str] = []
     for fqn, meta in sdm.items():
@@ -159,32 +193,31 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     report["tensors"], report["chunks"], report["objects"] = n_tensors, n_chunks, n_objects
     report["coverage_problems"] = _listed(report, "chunk-coverage", cov, "chunk coverage")
     if cov:
-        readable, reason = [], "chunks do not cover every tensor exactly: loads fail or read the wrong values"
+        verdict.none("chunks do not cover every tensor exactly: loads fail or read the wrong values")
 
-    # Data files named by the index: present, and long enough (stat only).
-    storage = getattr(md, "storage_data", None) or {}
-    ends: Dict[str, int] = {}
-    for info in storage.values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        end = (getattr(info, "offset", 0) or 0) + (getattr(info, "length", 0) or 0)
-        if end > ends.get(rel, -1):
-            ends[rel] = end
-    bad_files = []
+
+def _data_files(report, ckdir: str, md, verdict: Verdict) -> Dict[str, object]:
+    """Data files named by the index: present and long enough (stat only); then the byte objects in
+    them, walked (see dcp_objects). Returns the byte objects read."""
+    ends, objects = dcp_objects.object_ranges(getattr(md, "storage_data", None) or {})
+    bad_files, bad_names = [], set()
     for rel, end in sorted(ends.items()):
         try:
             size = os.stat(os.path.join(ckdir, rel)).st_size
         except OSError:
             bad_files.append(f"{rel} is named by .metadata but missing")
+            bad_names.add(rel)
             continue
         if size < end:
             bad_files.append(f"{rel} is {size} bytes, .metadata needs {end}: truncated")
+            bad_names.add(rel)
     _listed(report, "data-files", bad_files, "data files")
     if bad_files:
-        readable, reason = [], "data files missing or truncated"
+        verdict.none("data files missing or truncated")
+    return dcp_objects.read_objects(report, ckdir, objects, skip=bad_names)
 
-    # Expert keys.
+
+def _experts(report, sdm, keys: List[str]) -> None:
     summary, found = experts.check(keys)
     n_single, single_found = experts.check_single_grouped(
         {k: list(meta.size) for k, meta in sdm.items() if getattr(meta, "chunks", None) is not None})
@@ -197,28 +230,29 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     for code, msg in found:
         report["expert_problems"].append(report.problem(code, msg))
 
-    # RNG layout and common state.
-    _rng(report, keys, run)
-    if report["format"] == "torch_dist":
-        embedded = COMMON_KEY in sdm
-        if has_common:
-            report["common_state"] = "common.pt (written by 0.16-0.18" + ("; also embedded)" if embedded else ")")
-        elif embedded:
-            report["common_state"] = "embedded (ShardedObject common_state, written by 0.19)"
-            if readable:
-                readable = [r for r in readable if r >= EMBEDDED_COMMON_SINCE]
-                reason = "common state embedded (no common.pt): releases before 0.19 require common.pt"
-        else:
-            report["common_state"] = "missing"
-            report.problem("common-state-missing",
-                           "neither common.pt nor an embedded common_state: the args, iteration and every "
-                           "non-tensor state are gone; no release can load this")
-            readable, reason = [], "no common state"
-        if readable and not reason:
-            reason = "common.pt present: 0.16-0.18 read it, 0.19 reads it as the legacy common state"
-    elif readable and not reason:
-        reason = "plain torch DCP: loaded by megatron.training's torch_dcp/fsdp_dtensor path"
-    report["readable_by"], report["readable_by_reason"] = readable, reason
+
+def _common_state(report, sdm, has_common: bool, verdict: Verdict) -> None:
+    """Where the common state is (common.pt up to 0.18, embedded from 0.19) and who can read it."""
+    if report["format"] != "torch_dist":
+        if verdict.readable and not verdict.reason:
+            verdict.reason = "plain torch DCP: loaded by megatron.training's torch_dcp/fsdp_dtensor path"
+        return
+    embedded = COMMON_KEY in sdm
+    if has_common:
+        report["common_state"] = "common.pt (written by 0.16-0.18" + ("; also embedded)" if embedded else ")")
+    elif embedded:
+        report["common_state"] = "embedded (ShardedObject common_state, written by 0.19)"
+        if verdict.readable:
+            verdict.readable = [r for r in verdict.readable if r >= EMBEDDED_COMMON_SINCE]
+            verdict.reason = "common state embedded (no common.pt): releases before 0.19 require common.pt"
+    else:
+        report["common_state"] = "missing"
+        report.problem("common-state-missing",
+                       "neither common.pt nor an embedded common_state: the args, iteration and every "
+                       "non-tensor state are gone; no release can load this")
+        verdict.none("no common state")
+    if verdict.readable and not verdict.reason:
+        verdict.reason = "common.pt present: 0.16-0.18 read it, 0.19 reads it as the legacy common state"
 
 
 def _rng(report, keys: List[str], run: dict) -> None:

@@ -5,7 +5,7 @@ Naming, as ``megatron.training.checkpointing.get_checkpoint_name`` writes it (id
 ``mp_rank_{tp:02d}``, then ``_{pp:03d}`` only when pipeline parallel size > 1, then ``_{ep:03d}``
 only when expert parallel size > 1. So ``mp_rank_00_001`` is pp rank 1 with pp > 1 and ep = 1, or
 ep rank 1 with pp = 1 and ep > 1: the name alone cannot tell. The args saved in
-``model_optim_rng.pt`` (read without running code, see safe_pickle) or the sizes the run will use
+``model_optim_rng.pt`` (read without running code, see files and torchfile) or the sizes the run will use
 decide; otherwise the layout is "ambiguous". The class depends on EP, never on pp > 1 alone.
 """
 
@@ -15,7 +15,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from . import safe_pickle
+from . import files
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
@@ -59,17 +59,11 @@ _ARG_NAMES = {
 }
 
 
-def read_saved_args(path: str) -> Tuple[Optional[dict], Optional[str], int]:
-    """(sizes and flags from the args saved in ``path``, error, bytes read); reads the pickle record only."""
-    try:
-        record, nbytes = safe_pickle.load_torch_zip_record(path)
-    except (OSError, ValueError, EOFError, safe_pickle.pickle.UnpicklingError) as exc:
-        return None, f"cannot read the args in {path}: {exc}", 0
-    except Exception as exc:  # a malformed pickle raises almost anything; never a traceback
-        return None, f"cannot read the args in {path}: {type(exc).__name__}: {exc}", 0
+def saved_args_info(record) -> Optional[dict]:
+    """Sizes and flags from the args a rank file saved (None: it holds none)."""
     args = record.get("args") if isinstance(record, dict) else None
     if args is None:
-        return None, f"{path} holds no saved args", nbytes
+        return None
     info = {}
     for short, long in _ARG_NAMES.items():
         value = getattr(args, long, None)
@@ -77,8 +71,40 @@ def read_saved_args(path: str) -> Tuple[Optional[dict], Optional[str], int]:
     info["use_distributed_optimizer"] = bool(getattr(args, "use_distributed_optimizer", False))
     info["no_save_optim"] = bool(getattr(args, "no_save_optim", False))
     info["ckpt_format"] = getattr(args, "ckpt_format", None)
-    info["iteration"] = record.get("iteration") if isinstance(record, dict) else None
-    return info, None, nbytes
+    info["iteration"] = record.get("iteration")
+    return info
+
+
+class RankFiles:
+    """Each rank file a load would unpickle, walked once (see files.read_torch_file)."""
+
+    def __init__(self, report, ckdir: str):
+        self.report, self.ckdir = report, ckdir
+        self._seen: Dict[str, Tuple[object, Optional[str]]] = {}
+
+    def read(self, rel: str) -> Tuple[object, Optional[str]]:
+        if rel not in self._seen:
+            self._seen[rel] = files.read_torch_file(self.report, self.ckdir, rel)
+        return self._seen[rel]
+
+
+def _saved_args(report, ckdir: str, parsed, rank_files: RankFiles) -> Optional[dict]:
+    """The args saved by the first rank that has a model file (rank 0's, as Megatron's tools read them)."""
+    saved, args_file = None, None
+    for name in sorted(parsed):
+        if os.path.isfile(os.path.join(ckdir, name, MODEL_FILE)):
+            args_file = os.path.join(name, MODEL_FILE)
+            record, err = rank_files.read(args_file)
+            saved = saved_args_info(record) if err is None else None
+            if err is not None:
+                report.note(f"cannot read the args in {os.path.join(ckdir, args_file)}: {err}")
+            elif saved is None:
+                report.note(f"{os.path.join(ckdir, args_file)} holds no saved args")
+            break
+    report["saved_args"] = (
+        {"file": args_file, "tp": saved["tp"], "pp": saved["pp"], "ep": saved["ep"]} if saved else None
+    )
+    return saved
 
 
 def _grid(parsed: Dict[str, Tuple[int, ...]], n: int) -> Tuple[int, ...]:
@@ -112,10 +138,26 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     parsed = parse_dirnames(names)
     report["format"] = "torch"
     report["format_reason"] = f"{len(parsed)} mp_rank_* directories (legacy torch format)"
+    n = _index_count(report, parsed)
+    rank_files = RankFiles(report, ckdir)
+    saved = _saved_args(report, ckdir, parsed, rank_files)
+    disk = _grid(parsed, n)
+    layout, second = _classify(report, n, saved, run)
+    sizes = _sizes(n, disk, second, saved, run)
+    report["sizes"] = sizes
+    tp, pp, ep = (sizes[d]["used"] for d in ("tp", "pp", "ep"))
+    expected_set = _compare_names(report, parsed, disk, tp, pp, ep)
+    _loader(report, layout, n, second, ep)
+    _name_problems(report, n, second, pp, ep)
+    _size_problems(report, saved, run)
+    _file_problems(report, ckdir, [p for p in sorted(parsed) if p in expected_set], saved, rank_files)
+
+
+def _index_count(report, parsed) -> int:
+    """How many indices the names carry (the most common count); mixed counts are a problem."""
     counts: Dict[int, int] = {}
     for idx in parsed.values():
         counts[len(idx)] = counts.get(len(idx), 0) + 1
-    n = max(counts, key=lambda k: (counts[k], k))
     if len(counts) > 1:
         report.problem(
             "mixed-layout",
@@ -123,26 +165,12 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
             + ", ".join(f"{c} with {k}" for k, c in sorted(counts.items()))
             + "): two saves with different parallel sizes wrote into the same iteration directory",
         )
+    return max(counts, key=lambda k: (counts[k], k))
 
-    # The args saved by the first rank that has a readable model file.
-    saved, args_error, args_file = None, None, None
-    for name in sorted(parsed):
-        path = os.path.join(ckdir, name, MODEL_FILE)
-        if os.path.isfile(path):
-            saved, args_error, nbytes = read_saved_args(path)
-            report.bytes_read += nbytes
-            args_file = os.path.join(name, MODEL_FILE)
-            break
-    if args_error:
-        report.note(args_error)
-    report["saved_args"] = (
-        {"file": args_file, "tp": saved["tp"], "pp": saved["pp"], "ep": saved["ep"]} if saved else None
-    )
 
-    disk = _grid(parsed, n)
-    tp_disk = disk[0] if disk else None
-    # What each index position means: ("tp",), ("tp", "pp"|"ep"|None), ("tp", "pp", "ep").
-    second, reason = None, ""
+def _classify(report, n: int, saved: Optional[dict], run: dict) -> Tuple[str, Optional[str]]:
+    """(layout class, what the second of two indices means) and why, into ``report``."""
+    second = None
     if n == 1:
         layout, reason = "1D", "one index, mp_rank_{tp:02d}: saved with pp = 1 and ep = 1"
     elif n == 3:
@@ -180,9 +208,12 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     report["layout"] = layout
     report["layout_reason"] = reason
     report["second_index"] = second if n == 2 else None
+    return layout, second
 
-    # Sizes on disk per meaning.
-    on_disk = {"tp": tp_disk, "pp": 1, "ep": 1}
+
+def _sizes(n: int, disk, second: Optional[str], saved: Optional[dict], run: dict) -> dict:
+    """Per dimension: the size used, where it came from, the saved one and the one the names span."""
+    on_disk = {"tp": disk[0] if disk else None, "pp": 1, "ep": 1}
     if n == 3:
         on_disk.update(pp=disk[1], ep=disk[2])
     elif n == 2 and second:
@@ -191,30 +222,34 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     for dim in ("tp", "pp", "ep"):
         given = run.get(dim)
         saved_v = saved.get(dim) if saved else None
+        known = n != 2 or second is not None or dim == "tp"
         if given is not None:
             used, source = given, "given"
         elif saved_v is not None:
             used, source = saved_v, "saved args"
-        elif n != 2 or second is not None or dim == "tp":
+        elif known:
             used, source = on_disk[dim], "directories on disk"
         else:
             used, source = None, "unknown"
-        sizes[dim] = {"used": used, "source": source, "saved": saved_v, "on_disk": on_disk[dim] if (n != 2 or second or dim == "tp") else None}
-    report["sizes"] = sizes
+        sizes[dim] = {"used": used, "source": source, "saved": saved_v, "on_disk": on_disk[dim] if known else None}
+    return sizes
 
-    tp, pp, ep = (sizes[d]["used"] for d in ("tp", "pp", "ep"))
+
+def _compare_names(report, parsed, disk, tp, pp, ep) -> set:
+    """Expected, present, missing and extra directory names into ``report``; the expected set back."""
     present = sorted(parsed)
     if pp is not None and ep is not None and tp is not None:
         expected = expected_dirnames(tp, pp, ep)
     else:  # ambiguous and nothing given: compare with the grid the names themselves span
         expected = [f"mp_rank_{t:02d}_{x:03d}" for t in range(disk[0]) for x in range(disk[1])]
-    missing = [e for e in expected if e not in parsed]
     expected_set = set(expected)
+    missing = sorted(e for e in expected if e not in parsed)
     extra = [p for p in present if p not in expected_set]
-    expected = sorted(expected)
-    missing = sorted(missing)
-    report["expected"], report["on_disk"], report["missing"], report["extra"] = expected, present, missing, extra
+    report["expected"], report["on_disk"], report["missing"], report["extra"] = sorted(expected), present, missing, extra
+    return expected_set
 
+
+def _loader(report, layout: str, n: int, second: Optional[str], ep: Optional[int]) -> None:
     needs_ep = (ep is not None and ep > 1) or n == 3 or second == "ep" or layout == "ambiguous"
     report["loader"] = "ep-aware" if needs_ep else "non-ep"
     if layout == "ambiguous":
@@ -225,13 +260,15 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     else:
         report["loader_reason"] = "no expert-parallel index (ep = 1): a loader that branches on pp alone reads it"
 
+
+def _name_problems(report, n: int, second: Optional[str], pp: Optional[int], ep: Optional[int]) -> None:
+    missing, extra, expected = report["missing"], report["extra"], report["expected"]
     if missing:
-        first = missing[0]
         report.problem(
             "missing-shard-dirs",
             f"{len(missing)} of {len(expected)} directories the run needs are not on disk: "
             + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            + f" (that rank fails with: No such file or directory: '.../{first}/{MODEL_FILE}')",
+            + f" (that rank fails with: No such file or directory: '.../{missing[0]}/{MODEL_FILE}')",
             names=missing,
         )
     if extra:
@@ -251,24 +288,32 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
                 f"two-index names on disk and in this run, but on disk the second index is the {second} rank and this run reads it as "
                 f"the {run_second} rank: every rank would load another rank's weights",
             )
-    if saved:
-        diffs = [f"{d}: saved {saved[d]}, run {run[d]}" for d in ("tp", "pp", "ep")
-                 if run.get(d) is not None and saved.get(d) is not None and run[d] != saved[d]]
-        if diffs:
-            report.problem(
-                "size-mismatch",
-                "the run's sizes differ from the saved ones (" + "; ".join(diffs)
-                + "): the legacy torch format is not resharded on load (convert it, or save with torch_dist)",
-            )
+
+
+def _size_problems(report, saved: Optional[dict], run: dict) -> None:
+    if not saved:
+        return
+    diffs = [f"{d}: saved {saved[d]}, run {run[d]}" for d in ("tp", "pp", "ep")
+             if run.get(d) is not None and saved.get(d) is not None and run[d] != saved[d]]
+    if diffs:
+        report.problem(
+            "size-mismatch",
+            "the run's sizes differ from the saved ones (" + "; ".join(diffs)
+            + "): the legacy torch format is not resharded on load (convert it, or save with torch_dist)",
+        )
+
+
+def _file_problems(report, ckdir: str, dirs: List[str], saved: Optional[dict], rank_files: RankFiles) -> None:
+    """Every file the run's ranks would open: present, and walked without running its pickle."""
     want_optim = bool(saved and saved["use_distributed_optimizer"] and not saved["no_save_optim"])
     lacking = []
-    for name in present:
-        if name not in expected_set:
-            continue
-        if not os.path.isfile(os.path.join(ckdir, name, MODEL_FILE)):
-            lacking.append(f"{name}/{MODEL_FILE}")
-        if want_optim and not os.path.isfile(os.path.join(ckdir, name, OPTIM_FILE)):
-            lacking.append(f"{name}/{OPTIM_FILE}")
+    for name in dirs:
+        for fname in (MODEL_FILE, OPTIM_FILE) if want_optim else (MODEL_FILE,):
+            rel = os.path.join(name, fname)
+            if not os.path.isfile(os.path.join(ckdir, rel)):
+                lacking.append(rel)
+            else:
+                rank_files.read(rel)
     if lacking:
         report.problem(
             "missing-files",

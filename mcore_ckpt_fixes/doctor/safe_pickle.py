@@ -20,12 +20,15 @@ import gc
 import io
 import pickle
 import re
-import zipfile
 from typing import Any, Dict, Tuple
 
 
 class UnsafeGlobal(pickle.UnpicklingError):
-    """The pickle names a global that is not on the allow-list."""
+    """The pickle names a global that is not on the allow-list; ``qualname`` is that global."""
+
+    def __init__(self, module: str, name: str):
+        self.qualname = f"{module}.{name}"
+        super().__init__(f"refusing to load {self.qualname} (not on the doctor's allow-list)")
 
 
 class Stub:
@@ -161,7 +164,7 @@ def find_safe_global(module: str, name: str):
         return _stub_class(module, name, fast=True)
     if module.startswith(_STUB_PREFIXES) and re.match(r"^_?[A-Za-z][A-Za-z0-9_]*$", name):
         return _stub_class(module, name)
-    raise UnsafeGlobal(f"refusing to load {module}.{name} (not on the doctor's allow-list)")
+    raise UnsafeGlobal(module, name)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -186,22 +189,3 @@ def loads(data: bytes) -> Any:
     finally:
         if enabled:
             gc.enable()
-
-
-def load_torch_zip_record(path: str) -> Tuple[Any, int]:
-    """The pickled object of a ``torch.save`` zip (``<archive>/data.pkl``) and the bytes read.
-
-    Raises ValueError when ``path`` is not a torch zip archive (legacy non-zip torch.save files are
-    not read: their tensor data is interleaved with the pickle).
-    """
-    try:
-        zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
-        raise ValueError("not a torch.save zip archive (truncated, or an old non-zip torch.save)") from None
-    with zf:
-        names = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not names:
-            raise ValueError("no data.pkl record in the zip (not written by torch.save)")
-        info = zf.getinfo(names[0])
-        data = zf.read(info)
-    return loads(data), len(data)

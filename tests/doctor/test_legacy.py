@@ -143,6 +143,9 @@ def test_arbitrary_code_is_never_run(tmp_path):
     assert not marker.exists()
     assert r["saved_args"] is None and r["layout"] == "1D"
     assert any("refusing to load posix.system (not on the doctor's allow-list)" in n for n in r.notes), r.notes
+    # Megatron's torch.load(weights_only=False) would run it: a problem naming the file and the callable.
+    assert [(p["code"], p["file"], p["callable"]) for p in r.problems] == [
+        ("unsafe-pickle", "mp_rank_00/model_optim_rng.pt", "posix.system")]
 
 
 def test_api_shard_dir_and_diagnose(legacy, tmp_path):
