@@ -118,8 +118,8 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     _format(report, cfg, has_cfg, has_common, sdm, keys, verdict)
     _coverage(report, sdm, verdict)
     objects = _data_files(report, ckdir, md, verdict)
-    if has_common:
-        files.read_torch_file(report, ckdir, COMMON)
+    if has_common and files.read_torch_file(report, ckdir, COMMON)[1] is not None:
+        verdict.none("common.pt damaged, unreadable or unsafe: every release that finds it reads it")
     _experts(report, sdm, keys)
     _rng(report, keys, run)
     _common_state(report, sdm, has_common, verdict)
@@ -200,21 +200,27 @@ def _data_files(report, ckdir: str, md, verdict: Verdict) -> Dict[str, object]:
     """Data files named by the index: present and long enough (stat only); then the byte objects in
     them, walked (see dcp_objects). Returns the byte objects read."""
     ends, objects = dcp_objects.object_ranges(getattr(md, "storage_data", None) or {})
-    bad_files, bad_names = [], set()
+    bad_files, bad_names, unopenable = [], set(), set()
     for rel, end in sorted(ends.items()):
         try:
-            size = os.stat(os.path.join(ckdir, rel)).st_size
+            st = os.stat(os.path.join(ckdir, rel))
         except OSError:
             bad_files.append(f"{rel} is named by .metadata but missing")
             bad_names.add(rel)
             continue
-        if size < end:
-            bad_files.append(f"{rel} is {size} bytes, .metadata needs {end}: truncated")
+        if not files.check_openable(report, ckdir, rel):  # permissions, or not a file at all
+            unopenable.add(rel)
+        elif st.st_size < end:
+            bad_files.append(f"{rel} is {st.st_size} bytes, .metadata needs {end}: truncated")
             bad_names.add(rel)
     _listed(report, "data-files", bad_files, "data files")
-    if bad_files:
-        verdict.none("data files missing or truncated")
-    return dcp_objects.read_objects(report, ckdir, objects, skip=bad_names)
+    if bad_files or unopenable:
+        verdict.none("data files missing, truncated or unreadable")
+    n_problems = len(report.problems)
+    read = dcp_objects.read_objects(report, ckdir, objects, skip=bad_names.union(unopenable))
+    if len(report.problems) > n_problems:
+        verdict.none("byte objects damaged or unsafe")
+    return read
 
 
 def _experts(report, sdm, keys: List[str]) -> None:
