@@ -10,6 +10,7 @@ from typing import Optional
 def run(path: str, tp: Optional[int], pp: Optional[int], ep: Optional[int], iteration: Optional[int],
         as_json: bool) -> int:
     from mcore_ckpt_fixes.doctor import Unreadable, inspect
+    from mcore_ckpt_fixes.doctor.remedies import for_code
 
     try:
         report = inspect(path, tp=tp, pp=pp, ep=ep, iteration=iteration)
@@ -17,7 +18,8 @@ def run(path: str, tp: Optional[int], pp: Optional[int], ep: Optional[int], iter
         line = f"mcore-ckpt-fixes inspect: {exc}"
         if as_json:  # tools still get an object on stdout
             print(json.dumps({"path": path, "format": "unknown", "iteration": iteration, "error": str(exc),
-                              "problems": [{"code": "unreadable", "message": str(exc)}]}, indent=2))
+                              "problems": [{"code": "unreadable", "message": str(exc),
+                                            "remedy": for_code("unreadable")}]}, indent=2))
         print(line, file=sys.stderr)
         return 2
     except Exception as exc:  # a doctor bug: still one line, never a traceback in the user's face

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import dcp, legacy, tracker
+from . import dcp, legacy, remedies, tracker
 from .report import Report, Unreadable
 
 
@@ -25,9 +25,42 @@ def _is_checkpoint_dir(names) -> bool:
 
 
 def inspect(path: str, *, tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None,
-            iteration: Optional[int] = None) -> Report:
+            iteration: Optional[int] = None, _fallback: bool = True) -> Report:
     """Inspect the checkpoint at ``path`` (its root, or one ``iter_*`` directory) for a run with the given
     sizes (None: not given). Raises :class:`Unreadable` when there is nothing readable to inspect."""
+    report = _inspect(path, tp, pp, ep, iteration)
+    if _fallback and any(p["code"] in remedies.UNLOADABLE for p in report.problems):
+        _name_intact_iteration(report, tp, pp, ep)
+    return report
+
+
+MAX_FALLBACK_TRIES = 3  # earlier iterations inspected when the chosen one cannot load
+
+
+def _name_intact_iteration(report: Report, tp, pp, ep) -> None:
+    """The inspected iteration cannot load: find the newest earlier one that can, for the remedy."""
+    ckdir = report.get("checkpoint_dir")
+    broken = report.get("iteration")
+    if not ckdir or broken is None:
+        return
+    root = os.path.dirname(ckdir)
+    try:
+        earlier = [i for i in tracker.iterations_on_disk(root, os.listdir(root)) if i < broken]
+    except OSError:
+        return
+    intact = None
+    for it in reversed(earlier[-MAX_FALLBACK_TRIES:]):
+        try:
+            other = inspect(os.path.join(root, tracker.iteration_dirname(it)), tp=tp, pp=pp, ep=ep, _fallback=False)
+        except Unreadable:
+            continue
+        if not any(p["code"] in remedies.UNLOADABLE for p in other.problems):
+            intact = it
+            break
+    remedies.add_fallback(report, root, broken, intact)
+
+
+def _inspect(path: str, tp, pp, ep, iteration) -> Report:
     run = {"tp": tp, "pp": pp, "ep": ep}
     path = os.path.abspath(path)
     report = Report(path)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
+from . import remedies
+
 
 class Unreadable(Exception):
     """The input cannot be read at all (exit 2): one line naming what and why."""
 
 
 class Report:
-    """What ``inspect`` found. ``data`` is the JSON object; ``problems`` are ``{code, message}`` dicts."""
+    """What ``inspect`` found. ``data`` is the JSON object; ``problems`` are ``{code, message, remedy}``
+    dicts (remedy: the next step, see remedies)."""
 
     def __init__(self, path: str):
         self.data: Dict[str, Any] = {"path": path, "format": "unknown", "iteration": None, "problems": []}
@@ -28,8 +31,9 @@ class Report:
     def get(self, key, default=None):
         return self.data.get(key, default)
 
-    def problem(self, code: str, message: str, **extra) -> dict:
-        entry = {"code": code, "message": message, **extra}
+    def problem(self, code: str, message: str, remedy: Optional[str] = None, **extra) -> dict:
+        """Record a finding; ``remedy`` (the next step) defaults to the one for its code."""
+        entry = {"code": code, "message": message, "remedy": remedy or remedies.for_code(code), **extra}
         self.data["problems"].append(entry)
         return entry
 
@@ -90,6 +94,8 @@ class Report:
             lines.append(f"{len(self.problems)} problem(s):")
             for p in self.problems:
                 lines.append(f"  [{p['code']}] {p['message']}")
+                if p.get("remedy"):
+                    lines.append(f"      next: {p['remedy']}")
         else:
             lines.append("no problems found")
         return "\n".join(lines)
