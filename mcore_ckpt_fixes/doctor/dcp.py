@@ -24,7 +24,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from . import coverage, dcp_objects, experts, files, safe_pickle
+from . import coverage, dcp_objects, experts, files, safe_pickle, sizes
 from .report import Unreadable
 
 RELEASES = ("0.16", "0.17", "0.18", "0.19")
@@ -118,12 +118,29 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     _format(report, cfg, has_cfg, has_common, sdm, keys, verdict)
     _coverage(report, sdm, verdict)
     objects = _data_files(report, ckdir, md, verdict)
-    if has_common and files.read_torch_file(report, ckdir, COMMON)[1] is not None:
-        verdict.none("common.pt damaged, unreadable or unsafe: every release that finds it reads it")
+    common = None
+    if has_common:
+        common, err = files.read_torch_file(report, ckdir, COMMON)
+        if err is not None:
+            verdict.none("common.pt damaged, unreadable or unsafe: every release that finds it reads it")
+    run = sizes.resolve(report, run, *_saved_args(common, objects))
     _experts(report, sdm, keys)
     _rng(report, keys, run)
     _common_state(report, sdm, has_common, verdict)
     report["readable_by"], report["readable_by_reason"] = verdict.readable, verdict.reason
+
+
+def _saved_args(common, objects: Dict[str, object]):
+    """(the args the checkpoint saved, where): common.pt (up to 0.18), the embedded common state (0.19),
+    or a plain ``args`` byte object (torch_dcp / fsdp_dtensor)."""
+    for where, record in ((COMMON, common), ("the embedded common state", objects.get(COMMON_KEY)),
+                          ("the args byte object", {"args": objects.get("args")})):
+        if isinstance(record, list) and len(record) == 1:  # a ShardedObject's data as torch_dist stores it
+            record = record[0]
+        args = record.get("args") if isinstance(record, dict) else None
+        if args is not None:
+            return args, where
+    return None, None
 
 
 def _incomplete(report, names: List[str], has_cfg: bool, has_common: bool) -> None:

@@ -15,7 +15,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from . import files
+from . import files, sizes
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
@@ -52,22 +52,12 @@ def parse_dirnames(names: List[str]) -> Dict[str, Tuple[int, ...]]:
     return out
 
 
-_ARG_NAMES = {
-    "tp": "tensor_model_parallel_size",
-    "pp": "pipeline_model_parallel_size",
-    "ep": "expert_model_parallel_size",
-}
-
-
 def saved_args_info(record) -> Optional[dict]:
     """Sizes and flags from the args a rank file saved (None: it holds none)."""
     args = record.get("args") if isinstance(record, dict) else None
     if args is None:
         return None
-    info = {}
-    for short, long in _ARG_NAMES.items():
-        value = getattr(args, long, None)
-        info[short] = value if isinstance(value, int) and value >= 1 else None
+    info = sizes.from_args(args)
     info["use_distributed_optimizer"] = bool(getattr(args, "use_distributed_optimizer", False))
     info["no_save_optim"] = bool(getattr(args, "no_save_optim", False))
     info["ckpt_format"] = getattr(args, "ckpt_format", None)
@@ -104,6 +94,8 @@ def _saved_args(report, ckdir: str, parsed, rank_files: RankFiles) -> Optional[d
     report["saved_args"] = (
         {"file": args_file, "tp": saved["tp"], "pp": saved["pp"], "ep": saved["ep"]} if saved else None
     )
+    if saved:
+        saved["file"] = args_file
     return saved
 
 
@@ -143,9 +135,9 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     saved = _saved_args(report, ckdir, parsed, rank_files)
     disk = _grid(parsed, n)
     layout, second = _classify(report, n, saved, run)
-    sizes = _sizes(n, disk, second, saved, run)
-    report["sizes"] = sizes
-    tp, pp, ep = (sizes[d]["used"] for d in ("tp", "pp", "ep"))
+    table = _sizes(n, disk, second, saved, run)
+    report["sizes"] = table
+    tp, pp, ep = (table[d]["used"] for d in ("tp", "pp", "ep"))
     expected_set = _compare_names(report, parsed, disk, tp, pp, ep)
     _loader(report, layout, n, second, ep)
     _name_problems(report, n, second, pp, ep)
@@ -226,7 +218,7 @@ def _sizes(n: int, disk, second: Optional[str], saved: Optional[dict], run: dict
         if given is not None:
             used, source = given, "given"
         elif saved_v is not None:
-            used, source = saved_v, "saved args"
+            used, source = saved_v, f"saved args in {saved['file']}"
         elif known:
             used, source = on_disk[dim], "directories on disk"
         else:

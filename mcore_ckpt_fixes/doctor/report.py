@@ -66,13 +66,13 @@ class Report:
         it = d.get("iteration")
         lines.append(f"iteration:  {'release' if d.get('release') else it if it is not None else '-'}")
         lines.append(f"format:     {d['format']}" + (f" ({d['format_reason']})" if d.get("format_reason") else ""))
+        sizes = d.get("sizes")
+        if sizes is not None:
+            known = [f"{k}={v['used']} ({v['source']})" for k, v in sizes.items() if v.get("used") is not None]
+            lines.append("sizes:      " + ("  ".join(known) or "none recorded in the checkpoint (give --tp/--pp/--ep)"))
         if "layout" in d:
             lines.append(f"layout:     {d['layout']}: {d['layout_reason']}")
             lines.append(f"loader:     {d['loader']}: {d['loader_reason']}")
-            sizes = d.get("sizes") or {}
-            if sizes:
-                lines.append("sizes:      " + "  ".join(
-                    f"{k}={v['used']} ({v['source']})" for k, v in sizes.items() if v.get("used") is not None))
             lines.append(f"expected:   {_names(d.get('expected'))}")
             lines.append(f"on disk:    {_names(d.get('on_disk'))}")
             lines.append(f"missing:    {_names(d.get('missing')) or '-'}")

@@ -12,7 +12,7 @@ def _json(proc):
 
 
 def test_clean_checkpoint_exit_0(saved):
-    proc = run_cli(["inspect", saved["torch_dist"]])
+    proc = run_cli(["inspect", saved["torch_dist"], "--ep", "1"])  # saved with EP=2: see test_dcp
     assert proc.returncode == 0, proc.stderr
     assert "format:     torch_dist" in proc.stdout and proc.stdout.rstrip().endswith("no problems found")
 
@@ -94,3 +94,8 @@ def test_inspect_modifies_nothing(saved, copy_of, tmp_path):
             proc = run_cli(["inspect", root, *extra, *fmt])
             assert proc.returncode in (0, 1, 2), proc.stderr
         assert _tree_state(root) == before, root
+
+
+def test_saved_ep_flags_old_rng_layout_without_flags(saved):
+    proc = run_cli(["inspect", saved["torch_dist"]])
+    assert proc.returncode == 1 and "[rng-2d-under-ep]" in proc.stdout and "ep=2 (saved args in " in proc.stdout

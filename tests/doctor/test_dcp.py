@@ -25,7 +25,8 @@ def _edit_metadata(ckdir, edit):
 
 
 def test_torch_dist_clean(saved, mcore_version):
-    r = inspect(saved["torch_dist"])
+    # ep=1: a run with other sizes than the saved EP=2 (see test_sizes_from_the_saved_args)
+    r = inspect(saved["torch_dist"], ep=1)
     assert r.ok, r.problems
     assert (r["format"], r["iteration"], r["tensors"], r["chunks"]) == ("torch_dist", 10, 11, 13)
     # layers.1's grouped weight (expert axis 0, 4 experts) is whole: counted, no finding
@@ -61,7 +62,7 @@ def test_truncated_metadata_is_unreadable(saved, copy_of):
 def test_missing_metadata_json(saved, copy_of):
     root = copy_of(saved["torch_dist"])
     os.remove(os.path.join(iter_dir(root), "metadata.json"))
-    r = inspect(root)
+    r = inspect(root, ep=1)  # a run at EP=1: only the damage is found
     assert r["format"] == "torch_dist" and codes(r) == ["missing-metadata-json"] and r["readable_by"] == []
 
 
@@ -75,7 +76,7 @@ def test_incomplete_save(saved, copy_of):
 def test_missing_data_file(saved, copy_of):
     root = copy_of(saved["torch_dist"])
     os.remove(os.path.join(iter_dir(root), "__1_0.distcp"))
-    r = inspect(root)
+    r = inspect(root, ep=1)  # a run at EP=1: only the damage is found
     assert codes(r) == ["data-files"] and "__1_0.distcp is named by .metadata but missing" in r.problems[0]["message"]
 
 
@@ -94,7 +95,7 @@ def test_overlapping_and_missing_chunks(saved, copy_of):
         grouped.chunks = [c for c in grouped.chunks if c.offsets[0] == 0]
 
     _edit_metadata(iter_dir(root), edit)
-    r = inspect(root)
+    r = inspect(root, ep=1)  # a run at EP=1: only the damage is found
     assert codes(r) == ["chunk-coverage"] * 3, r.problems
     msgs = [p["message"] for p in r["coverage_problems"]]
     assert msgs == [
@@ -115,7 +116,7 @@ def test_duplicated_expert_key(saved, copy_of):
             prefix + "local_experts.3.linear_fc1.weight"]
 
     _edit_metadata(iter_dir(root), edit)
-    r = inspect(root)
+    r = inspect(root, ep=1)  # a run at EP=1: only the damage is found
     assert codes(r) == ["expert-duplicate"]
     assert r["expert_problems"][0]["message"] == (
         "decoder.layers.0.mlp.experts: expert 3 of linear_fc1.weight is stored 2 times "
@@ -150,3 +151,22 @@ def test_reads_metadata_only(saved):
         assert 0 < r.bytes_read - md - objects < os.path.getsize(common), r.bytes_read
     else:
         assert r.bytes_read == md + objects
+
+
+def test_sizes_from_the_saved_args(saved, mcore_version):
+    """Saved with EP=2 and the old 2-D RNG layout: flagged without --ep, the sizes and their source
+    said (common.pt up to 0.18, the embedded common state from 0.19); a flag overrides."""
+    r = inspect(saved["torch_dist"])
+    where = "the embedded common state" if mcore_version.release[:2] >= (0, 19) else "common.pt"
+    assert codes(r) == ["rng-2d-under-ep"] and "this run uses ep=2" in r.problems[0]["message"]
+    assert r["sizes"]["ep"] == {"used": 2, "source": f"saved args in {where}", "saved": 2}
+    assert r["sizes"]["tp"]["used"] == 1 and r["sizes"]["pp"] == {"used": None, "source": "unknown", "saved": None}
+    assert f"sizes:      tp=1 (saved args in {where})  ep=2 (saved args in {where})" in r.render()
+    r = inspect(saved["torch_dist"], ep=1)
+    assert r.ok and r["sizes"]["ep"] == {"used": 1, "source": "given", "saved": 2}
+
+
+def test_sizes_unknown_without_saved_args(saved):
+    r = inspect(saved["fsdp"])
+    assert all(v["source"] == "unknown" for v in r["sizes"].values())
+    assert "sizes:      none recorded in the checkpoint (give --tp/--pp/--ep)" in r.render()

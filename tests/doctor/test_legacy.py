@@ -65,6 +65,7 @@ def test_classified_from_saved_args(legacy, sizes, layout, loader, second):
     assert r["iteration"] == 100 and r.ok, r.problems
     if second:
         assert "saved args: pipeline_model_parallel_size" in r["layout_reason"]
+    assert r["sizes"]["tp"]["source"] == f"saved args in {NAMES[sizes][0]}/model_optim_rng.pt"
 
 
 def test_same_names_other_meaning(legacy):

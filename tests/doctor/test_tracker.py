@@ -26,7 +26,7 @@ def test_tracker_points_at_missing_iteration(saved, copy_of):
 def test_tracker_missing_is_a_silent_restart(saved, copy_of):
     root = copy_of(saved["torch_dist"])
     os.remove(os.path.join(root, "latest_checkpointed_iteration.txt"))
-    r = inspect(root)
+    r = inspect(root, ep=1)  # saved with EP=2: a run at EP=1 sees only the tracker
     assert codes(r) == ["tracker-missing"] and r["iteration"] == 10 and r["format"] == "torch_dist"
     assert "starts from scratch" in r.problems[0]["message"]
 
@@ -35,14 +35,14 @@ def test_tracker_invalid_and_iteration_flag(saved, copy_of):
     root = copy_of(saved["torch_dist"])
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("latest")
-    assert codes(inspect(root)) == ["tracker-invalid"]
-    r = inspect(saved["torch_dist"], iteration=10)
+    assert codes(inspect(root, ep=1)) == ["tracker-invalid"]
+    r = inspect(saved["torch_dist"], iteration=10, ep=1)
     assert r.ok and r["iteration"] == 10
-    assert codes(inspect(saved["torch_dist"], iteration=11)) == ["iteration-missing"]
+    assert codes(inspect(saved["torch_dist"], iteration=11, ep=1)) == ["iteration-missing"]
 
 
 def test_iteration_directory_given_directly(saved):
-    r = inspect(iter_dir(saved["torch_dist"]))
+    r = inspect(iter_dir(saved["torch_dist"]), ep=1)
     assert r.ok and r["iteration"] == 10 and "tracker" not in r.data
 
 
