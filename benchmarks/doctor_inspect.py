@@ -21,7 +21,6 @@ import pickle
 import statistics
 import sys
 import tempfile
-import time
 
 
 def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64) -> int:
