@@ -180,12 +180,17 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def loads(data: bytes) -> Any:
+    return load(io.BytesIO(data))
+
+
+def load(f) -> Any:
+    """The stand-in object of the pickle read from the binary file ``f``."""
     # Hundreds of thousands of small objects: the cyclic GC would rescan them again and again (it
     # doubled the load time of a 100k-chunk index); none of them can form a cycle worth collecting here.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return SafeUnpickler(io.BytesIO(data)).load()
+        return SafeUnpickler(f).load()
     finally:
         if enabled:
             gc.enable()
