@@ -99,3 +99,39 @@ def test_inspect_modifies_nothing(saved, copy_of, tmp_path):
 def test_saved_ep_flags_old_rng_layout_without_flags(saved):
     proc = run_cli(["inspect", saved["torch_dist"]])
     assert proc.returncode == 1 and "[rng-2d-under-ep]" in proc.stdout and "ep=2 (saved args in " in proc.stdout
+
+
+def test_damaged_and_unsafe_copies_exit_1_and_stay_unchanged(saved, copy_of, tmp_path):
+    """Damaged and planted copies: exit 1 in text and JSON, nothing run, every byte left as it was."""
+    import pickle
+
+    from ckpt_makers import save_legacy
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    cut = os.path.dirname(save_legacy(str(tmp_path / "cut"), 2, 1, 1))
+    with open(os.path.join(iter_dir(cut), "mp_rank_01", "model_optim_rng.pt"), "r+b") as f:
+        f.truncate(300)
+    raw = os.path.dirname(save_legacy(str(tmp_path / "raw"), 1, 1, 1))
+    with open(os.path.join(iter_dir(raw), "mp_rank_00", "model_optim_rng.pt"), "wb") as f:
+        pickle.dump({"args": Evil()}, f, protocol=2)
+    empty_common = copy_of(saved["torch_dist"])
+    open(os.path.join(iter_dir(empty_common), "common.pt"), "wb").close()
+    planted_index = str(tmp_path / "index")
+    import shutil
+
+    shutil.copytree(saved["fsdp"], planted_index)
+    with open(os.path.join(iter_dir(planted_index), ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    for root, code in ((cut, "damaged-file"), (raw, "unsafe-pickle"), (empty_common, "damaged-file"),
+                       (planted_index, "unsafe-pickle")):
+        before = _tree_state(root)
+        for fmt in ([], ["--json"]):
+            proc = run_cli(["inspect", root, "--ep", "1", *fmt])
+            assert proc.returncode == 1 and code in proc.stdout and proc.stderr == "", (root, proc.stdout, proc.stderr)
+        assert _tree_state(root) == before, root
+    assert not marker.exists()
