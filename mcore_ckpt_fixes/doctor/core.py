@@ -48,8 +48,8 @@ def _name_intact_iteration(report: Report, tp, pp, ep) -> None:
         earlier = [i for i in tracker.iterations_on_disk(root, os.listdir(root)) if i < broken]
     except OSError:
         return
-    intact = None
-    for it in reversed(earlier[-MAX_FALLBACK_TRIES:]):
+    intact, tried = None, earlier[-MAX_FALLBACK_TRIES:]
+    for it in reversed(tried):
         try:
             other = inspect(os.path.join(root, tracker.iteration_dirname(it)), tp=tp, pp=pp, ep=ep, _fallback=False)
         except Unreadable:
@@ -57,7 +57,7 @@ def _name_intact_iteration(report: Report, tp, pp, ep) -> None:
         if not any(p["code"] in remedies.UNLOADABLE for p in other.problems):
             intact = it
             break
-    remedies.add_fallback(report, root, broken, intact)
+    remedies.add_fallback(report, root, broken, intact, len(tried))
 
 
 def _inspect(path: str, tp, pp, ep, iteration) -> Report:

@@ -60,12 +60,14 @@ def for_code(code: str) -> Optional[str]:
     return BY_CODE.get(code)
 
 
-def add_fallback(report, root: str, broken: Optional[int], intact: Optional[int]) -> None:
-    """Extend each unloadable finding's remedy with the newest earlier iteration that is intact."""
+def add_fallback(report, root: str, broken: Optional[int], intact: Optional[int], tried: int) -> None:
+    """Extend each unloadable finding's remedy with the newest earlier iteration that is intact
+    (``tried``: how many earlier iterations were inspected)."""
     if broken is None:
         return
     if intact is None:
-        step = "no earlier iteration on disk inspects clean"
+        step = (f"none of the {tried} earlier iterations inspected can load either" if tried
+                else "there is no earlier iteration on disk to resume from")
     else:
         tracker = os.path.join(root, TRACKER)
         step = (f"{iteration_dirname(intact)} is intact: move {iteration_dirname(broken)} aside and run "

@@ -68,8 +68,8 @@ class Report:
         lines.append(f"format:     {d['format']}" + (f" ({d['format_reason']})" if d.get("format_reason") else ""))
         sizes = d.get("sizes")
         if sizes is not None:
-            known = [f"{k}={v['used']} ({v['source']})" for k, v in sizes.items() if v.get("used") is not None]
-            lines.append("sizes:      " + ("  ".join(known) or "none recorded in the checkpoint (give --tp/--pp/--ep)"))
+            lines.append("sizes:      " + (_sizes_line(sizes) or "none readable from the checkpoint's saved args "
+                                                                  "(give --tp/--pp/--ep)"))
         if "layout" in d:
             lines.append(f"layout:     {d['layout']}: {d['layout_reason']}")
             lines.append(f"loader:     {d['loader']}: {d['loader_reason']}")
@@ -106,3 +106,12 @@ def _names(names: Optional[List[str]], limit: int = 8) -> str:
         return ""
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _sizes_line(sizes: Dict[str, dict]) -> str:
+    """``tp=2 pp=1 (given)  ep=2 (saved args in common.pt)``: each source said once."""
+    groups: Dict[str, List[str]] = {}
+    for dim, v in sizes.items():
+        if v.get("used") is not None:
+            groups.setdefault(v["source"], []).append(f"{dim}={v['used']}")
+    return "  ".join(f"{' '.join(dims)} ({source})" for source, dims in groups.items())

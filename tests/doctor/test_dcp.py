@@ -161,12 +161,13 @@ def test_sizes_from_the_saved_args(saved, mcore_version):
     assert codes(r) == ["rng-2d-under-ep"] and "this run uses ep=2" in r.problems[0]["message"]
     assert r["sizes"]["ep"] == {"used": 2, "source": f"saved args in {where}", "saved": 2}
     assert r["sizes"]["tp"]["used"] == 1 and r["sizes"]["pp"] == {"used": None, "source": "unknown", "saved": None}
-    assert f"sizes:      tp=1 (saved args in {where})  ep=2 (saved args in {where})" in r.render()
+    assert f"sizes:      tp=1 ep=2 (saved args in {where})" in r.render()
     r = inspect(saved["torch_dist"], ep=1)
     assert r.ok and r["sizes"]["ep"] == {"used": 1, "source": "given", "saved": 2}
+    assert f"sizes:      tp=1 (saved args in {where})  ep=1 (given)" in r.render()
 
 
 def test_sizes_unknown_without_saved_args(saved):
     r = inspect(saved["fsdp"])
     assert all(v["source"] == "unknown" for v in r["sizes"].values())
-    assert "sizes:      none recorded in the checkpoint (give --tp/--pp/--ep)" in r.render()
+    assert "sizes:      none readable from the checkpoint's saved args (give --tp/--pp/--ep)" in r.render()

@@ -42,7 +42,13 @@ def test_no_intact_iteration_is_said_too(saved, copy_of):
     root = copy_of(saved["fsdp"])
     os.remove(os.path.join(iter_dir(root), ".metadata"))
     r = inspect(root)
-    assert r.problems[0]["remedy"].endswith("no earlier iteration on disk inspects clean")
+    assert r.problems[0]["remedy"].endswith("there is no earlier iteration on disk to resume from")
+    shutil.copytree(iter_dir(root), os.path.join(root, "iter_0000021"))  # also without its .metadata
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write("21")
+    r = inspect(root)
+    assert r.problems[0]["remedy"].endswith("none of the 1 earlier iterations inspected can load either")
+    assert r["fallback_iteration"] is None
 
 
 def test_old_rng_layout_and_data_files_say_what_to_do(saved, copy_of):
