@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import check_py
+from mcore_ckpt_fixes.engine.probing import Group
 from mcore_ckpt_fixes.fixes.dtensor_placement import FIX
 from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
 from mcore_ckpt_fixes.fixes.dtensor_placement.scenarios import DTP_TP_FSDP
@@ -183,8 +184,8 @@ def test_fixed_helpers_merge_tp_offsets(monkeypatch):
 
     import megatron.core.utils as mu
 
-    tp = dp._Group(2, 1)
-    dp_group = dp._Group(4, 3)  # the dense DP group's claim: ignored for the DTensor's own placement
+    tp = Group(rank=1, size=2)
+    dp_group = Group(rank=3, size=4)  # the dense DP group's claim: ignored for the DTensor's own placement
     dt = _dt((4, 3), (2,), (1,), [Shard(0)], (2, 3))
     uneven = _dt((5, 3), (2,), (1,), [Shard(0)], (2, 3))
     hsdp = _dt((4, 3), (2, 2), (1, 0), [Replicate(), Shard(0)], (2, 3))
@@ -216,8 +217,8 @@ def test_all_replicate_takes_the_plain_path_without_gathering(monkeypatch):
     dt = _dt((4, 3), (2,), (1,), [Replicate()], (4, 3))
     monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: pytest.fail("materialised"))
     # Without an initialised process group the release's get_pg_rank says 0 for any group.
-    sh = mu.make_sharded_tensor_for_checkpoint(dt, "r", tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
-    want = dp.original(mu, dp.HELPER)(dt._local_tensor, "r", tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
+    sh = mu.make_sharded_tensor_for_checkpoint(dt, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
+    want = dp.original(mu, dp.HELPER)(dt._local_tensor, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
     assert sh.data is dt._local_tensor
     assert (sh.global_shape, sh.global_offset) == (want.global_shape, want.global_offset)
     # The replica index is the rank's coordinate on the DTensor's own mesh (1 here), not the dense group's.
@@ -235,7 +236,7 @@ def test_size1_mesh_is_the_main_replica_whatever_dense_group(helper, placement, 
 
     dt = _dt((4, 3), (1,), (0,), [Shard(0) if placement == "shard0" else Replicate()], (4, 3))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    groups = dict(tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
+    groups = dict(tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
     if helper == dp.TP_HELPER:
         sh = mu.make_tp_sharded_tensor_for_checkpoint(dt, "e", 0, prepend_offsets=((0, 1, 2),), **groups)
     else:
@@ -255,7 +256,7 @@ def test_bad_placement_is_one_clear_line():
 
     dt = _dt((4, 3), (2,), (1,), [Partial()], (4, 3))
     with pytest.raises(dp.DTensorPlacementError) as info:
-        mu.make_sharded_tensor_for_checkpoint(dt, "decoder.w", tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(2, 1))
+        mu.make_sharded_tensor_for_checkpoint(dt, "decoder.w", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("decoder.w: cannot checkpoint a DTensor placed Partial")
     assert msg.endswith("accepted: Shard(dim), Replicate()")
@@ -295,8 +296,9 @@ import mcore_ckpt_fixes
 import megatron.core.utils as mu
 import megatron.core.transformer.utils as tu
 from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
+from mcore_ckpt_fixes.engine.probing import Group
 assert tu.make_sharded_tensor_for_checkpoint is dp.make_sharded_tensor_for_checkpoint
-g = dict(tp_group=dp._Group(1, 0), dp_cp_group=dp._Group(4, 3))
+g = dict(tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=3, size=4))
 assert tu.make_sharded_tensor_for_checkpoint(dp.probe_dtensor(), 'k', **g).global_shape == (4, 3)
 mcore_ckpt_fixes.revert()
 assert mu.make_sharded_tensor_for_checkpoint is not dp.make_sharded_tensor_for_checkpoint

@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from mcore_ckpt_fixes.engine.probing import Group
 from mcore_ckpt_fixes.fixes.hsdp_ep_guard import FIX
 from mcore_ckpt_fixes.fixes.hsdp_ep_guard.upstream import refusal
 from mcore_ckpt_fixes.testing.launcher import run_world, values
@@ -87,17 +88,6 @@ def test_refusal_is_one_clear_line():
     assert "Accepted: num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1" in msg
 
 
-class _Group:
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return 0
-
-
 def test_real_constructor_refuses_before_building_anything(mcore_version):
     """``FullyShardedDataParallel(...)`` itself, in this process: the guard is its first step, so it
     fires before any process group or CUDA buffer is touched (the groups here are inert)."""
@@ -115,8 +105,8 @@ def test_real_constructor_refuses_before_building_anything(mcore_version):
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, use_megatron_fsdp=True,
                                         data_parallel_sharding_strategy="optim_grads_params",
                                         num_distributed_optimizer_instances=2)
-    pgs = types.SimpleNamespace(ep=_Group(2), tp=_Group(1), expt_tp=_Group(1), intra_dp_cp=_Group(2),
-                                inter_dist_opt=_Group(2), dp_cp=_Group(4), expt_dp=_Group(2), intra_expt_dp=_Group(1))
+    pgs = types.SimpleNamespace(ep=Group(size=2), tp=Group(size=1), expt_tp=Group(size=1), intra_dp_cp=Group(size=2),
+                                inter_dist_opt=Group(size=2), dp_cp=Group(size=4), expt_dp=Group(size=2), intra_expt_dp=Group(size=1))
     if mcore_version in FIX.specifiers:
         assert row["state"] == "applied", row
         with pytest.raises(ValueError) as info:
@@ -164,8 +154,8 @@ def test_guard_passes_every_other_configuration_to_the_release(mcore_version, mo
     monkeypatch.setattr(m, "_get_dp_tp_mesh", lambda *a, **k: np.zeros((1, 1), dtype=int))
 
     def run(instances, **groups):
-        pgs = types.SimpleNamespace(tp=_Group(1), expt_tp=_Group(1), intra_dp_cp=_Group(2), inter_dist_opt=_Group(2),
-                                    dp_cp=_Group(4), expt_dp=_Group(2), **groups)
+        pgs = types.SimpleNamespace(tp=Group(size=1), expt_tp=Group(size=1), intra_dp_cp=Group(size=2), inter_dist_opt=Group(size=2),
+                                    dp_cp=Group(size=4), expt_dp=Group(size=2), **groups)
         wrapper = types.SimpleNamespace(ddp_config=types.SimpleNamespace(
             num_distributed_optimizer_instances=instances, outer_dp_sharding_strategy="no_shard"), num_moe_experts=4)
         before = len(built)
@@ -173,9 +163,9 @@ def test_guard_passes_every_other_configuration_to_the_release(mcore_version, mo
         assert len(built) == before + 1  # the release's own code ran to its FSDPDistributedIndex
         return built[-1]
 
-    assert run(1, ep=_Group(2))["expt_device_mesh"] == "mesh"  # EP alone: the release's expert mesh
-    assert "hybrid_fsdp_group" in run(2, ep=_Group(1))  # HSDP alone: the release's HSDP index
+    assert run(1, ep=Group(size=2))["expt_device_mesh"] == "mesh"  # EP alone: the release's expert mesh
+    assert "hybrid_fsdp_group" in run(2, ep=Group(size=1))  # HSDP alone: the release's HSDP index
     assert "hybrid_fsdp_group" in run(2)  # HSDP, a collection without an EP group: EP = 1
     with pytest.raises(ValueError) as info:
-        run(2, ep=_Group(2))
+        run(2, ep=Group(size=2))
     assert str(info.value) == refusal(2, 2) and len(built) == 3

@@ -10,6 +10,7 @@ import sys
 import types
 
 from ...engine.patching import Patcher, is_replacement, mark, original
+from ...engine.probing import Group
 from . import EXPERTS, ID, UTILS
 
 TP_HELPER = "make_tp_sharded_tensor_for_checkpoint"
@@ -244,19 +245,6 @@ def sequential_mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metad
 # -- probes: the release's own code on a tiny DTensor over a mesh without process groups ---------
 
 
-class _Group:
-    """Stands in for a process group: only ``rank()`` / ``size()`` are read."""
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 class _ParallelState:
     """Stands in for ``megatron.core.parallel_state`` in a probe of a release whose helpers read it
     (0.12-0.15): fixed (rank, size) per group, nothing initialised or communicated."""
@@ -271,7 +259,7 @@ class _ParallelState:
         return lambda *a, **k: self._g[g][1]
 
     def _group(self, g):
-        return lambda *a, **k: _Group(self._g[g][1], self._g[g][0])
+        return lambda *a, **k: Group(rank=self._g[g][0], size=self._g[g][1])
 
     def __getattr__(self, name):
         for g, word in (("edp", "expert_data_parallel"), ("ep", "expert_model_parallel"),
@@ -301,7 +289,7 @@ def _call_helper(module, fn, tensor, tp=(0, 1), dp=(3, 4)):
     """``fn(tensor, "probe")`` with this rank at ``tp`` / ``dp`` (rank, size), however the release's
     helpers find their groups: as arguments (0.16+) or from parallel_state (0.12-0.15)."""
     if takes_groups(original(module, fn.__name__) if is_replacement(fn) else fn):
-        return fn(tensor, "probe", tp_group=_Group(tp[1], tp[0]), dp_cp_group=_Group(dp[1], dp[0]))
+        return fn(tensor, "probe", tp_group=Group(rank=tp[0], size=tp[1]), dp_cp_group=Group(rank=dp[0], size=dp[1]))
     with _parallel_state_as(module, _ParallelState(tp=tp, dp=dp)):
         return fn(tensor, "probe")
 
@@ -372,14 +360,14 @@ def probe_sequential_mlp(module: types.ModuleType):
 
     stub = torch.nn.Module()
     stub.local_experts = torch.nn.ModuleList([Expert()])
-    stub.num_local_experts, stub.ep_group, stub.dp_group = 1, _Group(1, 0), _Group(2, 1)
+    stub.num_local_experts, stub.ep_group, stub.dp_group = 1, Group(rank=0, size=1), Group(rank=1, size=2)
     # 0.13-0.15 wrap it in expert_dist_ckpt_decorator, which swaps parallel_state's TP group for the
     # expert one (an initialised world only): call what it wraps. 0.12 reads the expert ranks from
     # parallel_state; later releases from the module's groups.
     fn = module.SequentialMLP.sharded_state_dict
     fn = getattr(fn, "__wrapped__", fn)
     with _parallel_state_as(module, _ParallelState(ep=(0, 1), edp=(1, 2))):
-        out = fn(stub, "", (), {"dp_cp_group": _Group(2, 1)})
+        out = fn(stub, "", (), {"dp_cp_group": Group(rank=1, size=2)})
     (sh,) = out.values()
     if sh.replica_id[-1] == 0:
         return False, "SequentialMLP keeps the DP replica index of DTensor-described expert shards"

@@ -9,6 +9,7 @@ import sys
 import types
 
 from ...engine.patching import Patcher, is_replacement, mark, original
+from ...engine.probing import Group
 from . import ID, MODULE
 from .upstream import refusal
 
@@ -36,17 +37,6 @@ def init_dist_index(self, pg_collection):
 
 
 # -- probe: the release's own _init_dist_index on inert stand-ins ------------------------------------
-
-
-class _Group:
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return 0
 
 
 class _ProbeDone(Exception):
@@ -80,7 +70,7 @@ def hsdp_ep_behaviour(module):
         def from_group(*args, **kwargs):
             return object()
 
-    two, one = _Group(2), _Group(1)
+    two, one = Group(size=2), Group(size=1)
     pgs = types.SimpleNamespace(tp=one, expt_tp=one, intra_dp_cp=one, inter_dist_opt=two, dp_cp=two, ep=two,
                                 expt_dp=one, intra_expt_dp=one)
     fake = {

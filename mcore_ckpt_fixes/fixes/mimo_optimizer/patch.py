@@ -15,6 +15,7 @@ import warnings
 
 from ...engine.errors import MegatronPatchWarning
 from ...engine.patching import Patcher, mark, original
+from ...engine.probing import Group
 from . import ID, LOAD_MODULE, MODULE
 from .old_layouts import _mimo_sharded_leaves, align_mimo_optimizer_request
 
@@ -173,17 +174,6 @@ def load(*args, **kwargs):
 # -- probe: run the real methods on inert stand-ins and look at what they produce ---------------
 
 
-class _Group:
-    def __init__(self, rank):
-        self._rank = rank
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return 2
-
-
 class _InnerStandIn:
     """What ``MimoOptimizer`` asks of an inner optimizer during checkpointing, nothing more."""
 
@@ -208,7 +198,7 @@ def _save_side_problems(module):
     cls, info_cls = module.MimoOptimizer, module.ModuleOptimizerInfo
     ShardedBase, ShardedObject, _ = _megatron()
     inner = _InnerStandIn()
-    pgs = types.SimpleNamespace(tp=_Group(1), pp=_Group(0), dp=_Group(0))
+    pgs = types.SimpleNamespace(tp=Group(rank=1, size=2), pp=Group(rank=0, size=2), dp=Group(rank=0, size=2))
     infos = {
         "language": info_cls(optimizer=None, grid=None, pg_collection=None, is_active=False),
         "vision": info_cls(optimizer=inner, grid=None, pg_collection=pgs, is_active=True),

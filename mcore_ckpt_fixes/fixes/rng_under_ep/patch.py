@@ -12,6 +12,7 @@ import sys
 import types
 
 from ...engine.patching import Patcher, mark, original
+from ...engine.probing import Group
 from . import ID, MODULE
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -152,17 +153,6 @@ def load_base_checkpoint(*args, **kwargs):
 # -- probe: run the real get_rng_state on stand-ins for what it reads ---------------------------------
 
 
-class _Group:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-
 class _ProbeMpu:
     """``parallel_state`` as one rank of pp=1, tp=1, dp_cp=2 sees it (nothing initialised)."""
 
@@ -176,7 +166,7 @@ class _ProbeMpu:
         return 2
 
     def get_data_parallel_group(self, with_context_parallel=False, partial_data_parallel=False):
-        return _Group(self.dp_rank, 2)
+        return Group(rank=self.dp_rank, size=2)
 
     def get_pipeline_model_parallel_rank(self):
         return 0
@@ -219,7 +209,7 @@ def _probe_once(module, dp_rank):
         raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
     module.__dict__.update(stand_ins)
     try:
-        return module.get_rng_state("torch_dist", _Group(0, 1), _Group(0, 1))
+        return module.get_rng_state("torch_dist", Group(), Group())
     finally:
         module.__dict__.update(saved)
 
