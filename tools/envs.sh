@@ -6,10 +6,14 @@
 #   py3.12/            venv: torch from PyPI (runs on CPU) + test deps
 #   py3.11-torch2.6/   venv: torch 2.6 from PyPI, for 0.12.x's selftest (MCORE_CKPT_FIXES_SWEEP_TORCH=1, tools/sweep.sh)
 #   mcore-<release>/   megatron-core <release> installed --no-deps --target, put on PYTHONPATH
+#   fw-<name>/         a framework that calls Megatron-Core (tools/frameworks.txt), installed --no-deps
+#                      --target from its pinned list tools/frameworks/<name>.txt (what its checkpoint
+#                      module imports, transitive deps included; never torch), run on its Megatron line
 # Sharing one interpreter venv between release lines keeps the 5.5 GB torch install to one per Python.
 #
-# Usage: tools/envs.sh [RELEASE ...]     (default: every release in tools/releases.txt; any release of
-#                                          tools/sweep-releases.txt may be named)
+# Usage: tools/envs.sh [RELEASE | fw-NAME ...]   (default: every release in tools/releases.txt and
+#                                                  every framework in tools/frameworks.txt; any release
+#                                                  of tools/sweep-releases.txt may be named)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -79,6 +83,28 @@ mcore_env() {  # release -> --target install of that megatron-core
   touch "$dir/.stamp"
 }
 
-releases=("$@")
-[ ${#releases[@]} -gt 0 ] || mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
-for r in "${releases[@]}"; do mcore_env "$r"; done
+framework_env() {  # fw-NAME -> --target install of that framework's pinned list, on its Megatron line
+  local name=${1#fw-} rel req dir="$ENVS/$1" stamp
+  rel=$(awk -v n="$name" '$1==n {print $2; exit}' tools/frameworks.txt)
+  req="tools/frameworks/$name.txt"
+  [ -n "$rel" ] && [ -f "$req" ] || { echo "envs.sh: unknown framework $name (see tools/frameworks.txt)" >&2; exit 2; }
+  for r in ${rel//,/ }; do mcore_env "$r"; done
+  rel=${rel%%,*}  # the interpreter of its first line installs it (all lines of one framework share one)
+  stamp="$dir/.stamp-$(sha1sum "$req" | cut -c1-12)"
+  if [ -f "$stamp" ]; then return; fi
+  # Fresh every time the list changes: pip --target over an older install leaves two versions'
+  # metadata side by side (transformers then refuses to import).
+  echo "envs.sh: installing $req into $dir" >&2
+  rm -rf "$dir"
+  "$ENVS/$(venv_for "$rel")/bin/python" -m pip install -q --no-deps --target "$dir" -r "$req"
+  touch "$stamp"
+}
+
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  mapfile -t targets < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
+  mapfile -t -O ${#targets[@]} targets < <(awk '!/^#/ && NF {print "fw-" $1}' tools/frameworks.txt)
+fi
+for t in "${targets[@]}"; do
+  case "$t" in fw-*) framework_env "$t" ;; *) mcore_env "$t" ;; esac
+done

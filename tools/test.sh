@@ -6,6 +6,9 @@
 #   tools/test.sh 0.18.2          # one release line
 #   tools/test.sh 0.16.1 -- -k tp_group   # extra pytest arguments after --
 #   tools/test.sh 0.15.3 -- tests/patches # any release of tools/sweep-releases.txt (not the default matrix)
+#   tools/test.sh fw-verl         # one framework line: tests/frameworks with verl installed beside its
+#                                 # Megatron-Core line (tools/frameworks.txt); its tests fail, not skip,
+#                                 # when the framework does not import there
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -18,12 +21,33 @@ while [ $# -gt 0 ]; do
   releases+=("$1"); shift
 done
 explicit=${releases[*]:-}
-[ ${#releases[@]} -gt 0 ] || mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
+if [ ${#releases[@]} -eq 0 ]; then
+  mapfile -t releases < <(awk '!/^#/ && NF {print $1}' tools/releases.txt)
+  mapfile -t -O ${#releases[@]} releases < <(awk '!/^#/ && NF {print "fw-" $1}' tools/frameworks.txt)
+fi
 
 tools/envs.sh "${releases[@]}" || { echo "test.sh: building environments failed" >&2; exit 2; }
 
+framework_line() {  # fw-NAME [pytest args] -> exit status of tests/frameworks in that framework's env,
+  local name=${1#fw-} rels rel py start rc=0 one; shift          # once per Megatron-Core line it names
+  rels=$(awk -v n="$name" '$1==n {print $2; exit}' tools/frameworks.txt)
+  local args=("$@"); [ ${#args[@]} -gt 0 ] || args=(tests/frameworks)
+  for rel in ${rels//,/ }; do
+    py=$(awk -v r="$rel" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt)
+    echo "=== $name (tools/frameworks/$name.txt) on Megatron-Core $rel (Python $py) ==="
+    start=$(date +%s)
+    PYTHONPATH="$ENVS/fw-$name:$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 MCORE_CKPT_FIXES_FRAMEWORK="$name" \
+      "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider "${args[@]}"
+    one=$?
+    echo "=== $name on $rel: exit $one in $(( $(date +%s) - start )) s ==="
+    [ $one -eq 0 ] || rc=$one
+  done
+  return $rc
+}
+
 failed=()
 for rel in "${releases[@]}"; do
+  case "$rel" in fw-*) framework_line "$rel" "${pytest_args[@]}" || failed+=("$rel"); continue ;; esac
   py=$(awk -v r="$rel" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt)
   echo "=== Megatron-Core $rel (Python $py) ==="
   start=$(date +%s)

@@ -14,8 +14,9 @@ from mcore_ckpt_fixes.engine.version import detect
 
 
 def import_targets() -> None:
-    """Import the modules enabled fixes wait for, so their states resolve from 'pending'."""
-    for fix_id, module in ENGINE.enabled_target_modules():
+    """Import the modules enabled fixes wait for, so their states resolve from 'pending'. A
+    framework that is not installed is not imported (it is reported not-applicable)."""
+    for fix_id, module in ENGINE.enabled_target_modules(installed_only=True):
         if module in sys.modules:
             continue
         try:
@@ -41,4 +42,10 @@ def run(as_json: bool, import_targets_first: bool) -> int:
     width = max(len(r["id"]) for r in rows)
     for r in rows:
         print(f"  {r['id']:<{width}}  {r['state']:<14}  {r['reason']}")
+        targets = r["targets"]
+        mixed = len({t["state"] for t in targets.values()}) > 1
+        if r["state"] != "disabled" and (mixed or any(t["package"] != "megatron-core" for t in targets.values())):
+            # Every binding the fix covers in this process (Megatron's modules, frameworks' copies).
+            for module, target in targets.items():
+                print(f"  {'':<{width}}    {module} ({target['package']}): {target['state']}")
     return 0

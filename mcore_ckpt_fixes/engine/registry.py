@@ -196,14 +196,18 @@ class _Engine:
         states[target.module] = TargetState("applied", f"{why}{note}")
         _log().info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
 
-    def enabled_target_modules(self):
-        """(fix id, module name) of every target of every enabled, implemented fix, in order."""
+    def enabled_target_modules(self, installed_only: bool = False):
+        """(fix id, module name) of every target of every enabled, implemented fix, in order.
+        installed_only: leave out framework targets whose distribution is not installed."""
         with self.lock:
             return [
                 (fix.id, target.module)
                 for fix in self.discover().values()
                 if self.modes.get(fix.id, "off") != "off" and fix.implemented
                 for target in fix.targets
+                if not installed_only
+                or target.gated_by_megatron
+                or _version.package_version(target.package) is not None
             ]
 
     def _retry(self, fix: Fix, target: Target, module) -> None:
@@ -273,12 +277,30 @@ class _Engine:
             return "disabled", f"{_flags.env_var_for(fix_id)} / {_flags.GLOBAL_VAR} switch it off"
         if not fix.implemented:
             return "unimplemented", f"not implemented yet in this release of mcore-ckpt-fixes ({fix.tracking})"
-        states = self.targets.get(fix_id, {})
+        states = self._reported_states(fix)
         for wanted in _PRECEDENCE:
             hits = [(m, s) for m, s in states.items() if s.state == wanted]
             if hits:
                 return wanted, "; ".join(f"{m}: {s.reason}" for m, s in hits)
         return "not-applicable", "no target module"
+
+    def _reported_states(self, fix: Fix):
+        """The targets' states as reported: a framework target still waiting for its module while
+        the framework is not installed at all is not applicable here (decided only when asked: the
+        lookup costs nothing at ``import mcore_ckpt_fixes``). Its hook stays: a framework imported
+        from a source tree without an installed distribution is still patched when imported."""
+        states = dict(self.targets.get(fix.id, {}))
+        for target in fix.targets:
+            current = states.get(target.module)
+            if current is None or current.state != "pending" or target.gated_by_megatron:
+                continue
+            if _version.package_version(target.package) is None:
+                states[target.module] = TargetState(
+                    "not-applicable",
+                    f"{target.package} is not installed (no {target.package} distribution; patched when "
+                    f"{target.module} is imported all the same)",
+                )
+        return states
 
     def report(self):
         with self.lock:
@@ -287,6 +309,7 @@ class _Engine:
             rows = []
             for fix in fixes.values():
                 state, reason = self.fix_state(fix.id)
+                packages = {t.module: t.package for t in fix.targets}
                 rows.append(
                     {
                         "id": fix.id,
@@ -297,8 +320,8 @@ class _Engine:
                         "affected": fix.affected,
                         "upstream": list(fix.upstream),
                         "targets": {
-                            m: {"state": s.state, "reason": s.reason}
-                            for m, s in self.targets.get(fix.id, {}).items()
+                            m: {"state": s.state, "reason": s.reason, "package": packages.get(m, "megatron-core")}
+                            for m, s in self._reported_states(fix).items()
                         },
                         "megatron_core": str(info.version) if info.version else None,
                         "megatron_source": info.source,

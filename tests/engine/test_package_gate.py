@@ -80,4 +80,37 @@ def test_unparseable_or_absent_package_version_leaves_the_probe_to_decide(tmp_pa
     site = _site(tmp_path, "1.2.0")
     os.rename(os.path.join(site, "fakefw-1.2.0.dist-info"), os.path.join(site, "unrelated"))
     out = check_py(CODE, env={"PYTHONPATH": site})
+    # No fakefw distribution: reported not applicable until the module is imported anyway (a
+    # source tree on the path), then patched as usual.
+    assert "BEFORE not-applicable" in out
     assert "AFTER applied" in out
+
+
+STATUS = """
+import sys
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.engine.fix import Fix, Target
+from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.cli import status
+
+ENGINE.register(Fix(id="fakefw-rng", summary="test", affected="<0", upstream=("test",), targets=(
+    Target("fakefw.ckpt", "fakefw_fix_patch:probe", "fakefw_fix_patch:apply", package="fakefw", affected="<1.3"),
+)))
+mcore_ckpt_fixes.apply()
+status.run(as_json=False, import_targets_first=True)
+print("IMPORTED", "fakefw.ckpt" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_status_names_each_framework_target(tmp_path, installed):
+    """status lists a fix's framework targets one per line; one that is not installed is
+    not-applicable and status does not try to import it."""
+    out = check_py(STATUS, env={"PYTHONPATH": _site(tmp_path, "1.2.0") if installed else str(tmp_path)})
+    row = [line for line in out.splitlines() if "fakefw-rng" in line][0]
+    if installed:
+        assert "applied" in row and "IMPORTED True" in out
+        assert "fakefw.ckpt (fakefw): applied" in out
+    else:
+        assert "not-applicable" in row and "fakefw is not installed" in row and "IMPORTED False" in out
+        assert "fakefw.ckpt (fakefw): not-applicable" in out

@@ -1,6 +1,8 @@
 """Write a fix's source diff for one release: ``python tools/patchgen FIX_ID SRC_ROOT RELEASE``.
 
-SRC_ROOT holds the pristine sources (an unpacked wheel: SRC_ROOT/megatron/core/...). The edits come
+SRC_ROOT holds the pristine sources (an unpacked wheel: SRC_ROOT/megatron/core/...). RELEASE is a
+Megatron-Core release, or ``<dist>-<version>`` for a framework's own copy of the code (SRC_ROOT then
+holds that framework's unpacked wheel), as the fix's ``source_edits`` accepts. The edits come
 from the fix's upstream-shaped module, ``mcore_ckpt_fixes/fixes/<fix>/upstream.py``
 (``source_edits(release)``); see :mod:`mcore_ckpt_fixes.sourcediff`.
 """

@@ -162,8 +162,21 @@ def _load_edits():
     ]
 
 
+# Frameworks that keep their own copy of the bug: ``<dist>-<version>`` names the framework's release,
+# and the framework's own upstream module (``<module>_upstream.py`` beside this one) has its edits.
+_FRAMEWORKS = {"verl": "verl", "ms-swift": "ms_swift", "megatron-bridge": "bridge"}
+
+
 def source_edits(release: str) -> list:
-    """The edits for ``release`` (0.17, 0.18 and 0.19 lines), in the order they are applied."""
+    """The edits for ``release`` (0.17, 0.18 and 0.19 lines, or ``<framework dist>-<version>``), in
+    the order they are applied."""
+    dist, _, version = release.rpartition("-")
+    if dist:
+        if dist not in _FRAMEWORKS:
+            raise PatchgenError(f"rng-under-ep has no edits for {dist!r} (frameworks: {', '.join(_FRAMEWORKS)})")
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{_FRAMEWORKS[dist]}_upstream").source_edits(version)
     series = ".".join(release.split(".")[:2])
     if series in ("0.17", "0.18"):
         save = [Replace(PATH, _SAVE_017_OLD, _SAVE_017_NEW)]
