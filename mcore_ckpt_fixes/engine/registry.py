@@ -198,7 +198,8 @@ class _Engine:
 
     def enabled_target_modules(self, installed_only: bool = False):
         """(fix id, module name) of every target of every enabled, implemented fix, in order.
-        installed_only: leave out framework targets whose distribution is not installed."""
+        installed_only: leave out framework targets whose distribution is not installed or does
+        not ship the target module."""
         with self.lock:
             return [
                 (fix.id, target.module)
@@ -207,7 +208,10 @@ class _Engine:
                 for target in fix.targets
                 if not installed_only
                 or target.gated_by_megatron
-                or _version.package_version(target.package) is not None
+                or (
+                    _version.package_version(target.package) is not None
+                    and _version.ships_module(target.package, target.module) is not False
+                )
             ]
 
     def _retry(self, fix: Fix, target: Target, module) -> None:
@@ -294,11 +298,16 @@ class _Engine:
             current = states.get(target.module)
             if current is None or current.state != "pending" or target.gated_by_megatron:
                 continue
-            if _version.package_version(target.package) is None:
+            version = _version.package_version(target.package)
+            if version is None:
                 states[target.module] = TargetState(
                     "not-applicable",
                     f"{target.package} is not installed (no {target.package} distribution; patched when "
                     f"{target.module} is imported all the same)",
+                )
+            elif _version.ships_module(target.package, target.module) is False:
+                states[target.module] = TargetState(
+                    "not-applicable", f"{target.package} {version} does not ship {target.module}"
                 )
         return states
 

@@ -85,3 +85,19 @@ def package_version(distribution: str):
         return Version(metadata.version(distribution))
     except (metadata.PackageNotFoundError, InvalidVersion):
         return None
+
+
+def ships_module(distribution: str, module: str):
+    """Does the installed ``distribution`` ship ``module`` (``a/b/c.py`` or ``a/b/c/__init__.py`` in
+    its file list)? None when that cannot be told (not installed, no RECORD)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    if not files:
+        return None
+    path = module.replace(".", "/")
+    wanted = {f"{path}.py", f"{path}/__init__.py"}
+    return any(str(f).replace("\\", "/") in wanted for f in files)

@@ -28,12 +28,16 @@ Failures prevented, for ``fsdp_dtensor`` checkpoints under expert parallelism (E
   block; no collective), for model and optimizer state alike. The value in the checkpointed dict is
   a new DTensor over the same storage (a load lands in the parameter), with the global shape; the
   nested dicts on its path are copies, so the dicts Megatron keeps (``raw_optimizer_state_dict``)
-  still hold the parameter-shaped DTensors. Hook: ``megatron.training.checkpointing``'s binding of
-  ``preprocess_state_dict_for_uneven_dtensor`` (its fsdp_dtensor save and load both call it);
-  other callers (Megatron-Bridge, a script) call
-  ``megatron.core.transformer.fsdp_dtensor_checkpoint.handle_grouped_experts_in_state_dict`` (with
-  the source diff) or ``mcore_ckpt_fixes.fixes.expert_keys.handle_grouped_experts_in_state_dict``
-  after their own preprocessing. SwiGLU halves of a grouped tensor (``weight_w``) under EP > 1 are
+  still hold the parameter-shaped DTensors. Hooks: ``megatron.training.checkpointing``'s and
+  Megatron-Bridge's (``megatron.bridge.training.checkpointing``, whose
+  ``preprocess_fsdp_dtensor_state_dict`` runs before every Bridge fsdp_dtensor save and load)
+  bindings of ``preprocess_state_dict_for_uneven_dtensor``; other callers (a script of one's own)
+  call ``megatron.core.transformer.fsdp_dtensor_checkpoint.handle_grouped_experts_in_state_dict``
+  (with the source diff) or ``mcore_ckpt_fixes.fixes.expert_keys.handle_grouped_experts_in_state_dict``
+  after their own preprocessing. (Megatron-FSDP's own ``fully_shard`` path, which binds the
+  function too, has no expert parallelism and is left alone; NeMo 2's ``MegatronStrategy`` in
+  nemo-toolkit <= 2.7 never calls ``handle_experts_in_state_dict`` at all and is not covered;
+  nemo-toolkit 3.0 has no such strategy.) SwiGLU halves of a grouped tensor (``weight_w``) under EP > 1 are
   refused with one ``ValueError``.
 
 How: the three module-level functions are replaced (the engine rebinds them in every module that
@@ -76,6 +80,14 @@ ALIAS_SITES = ("megatron.training.checkpointing", "megatron.core.optimizer.distr
 # only this binding is replaced (Megatron-FSDP's own fully_shard path has no expert parallelism).
 TRAINING = "megatron.training.checkpointing"
 UNEVEN = "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor"
+# Megatron-Bridge's ``preprocess_fsdp_dtensor_state_dict`` (its fsdp_dtensor save and load) calls the
+# same preprocessing through its own binding, imported by name when Bridge is: replaced there too.
+# Gated by Megatron-Core's version: the missing grouped handling is Megatron-Core's.
+BRIDGE = "megatron.bridge.training.checkpointing"
+# NeMo 2's strategy (nemo-toolkit < 3.0) preprocesses fsdp_dtensor checkpoints itself and never calls
+# handle_experts_in_state_dict: not covered; declared so that status says so where NeMo is installed
+# (nemo-toolkit 3.0 has no such module: not applicable).
+NEMO = "nemo.lightning.pytorch.strategies.megatron_strategy"
 
 _PATCH = f"{__name__}.patch"
 
@@ -92,6 +104,8 @@ FIX = Fix(
     targets=(
         Target(MODULE, f"{_PATCH}:probe", f"{_PATCH}:apply", alias_sites=ALIAS_SITES),
         Target(TRAINING, f"{_PATCH}:probe_training", f"{_PATCH}:apply_training"),
+        Target(BRIDGE, f"{_PATCH}:probe_bridge", f"{_PATCH}:apply_bridge"),
+        Target(NEMO, f"{_PATCH}:probe_nemo", f"{_PATCH}:apply_nemo", package="nemo-toolkit", affected="<3.0.0"),
     ),
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 
 from ...engine.patching import Patcher, is_replacement, mark, original
-from . import ID, MODULE, NAMES, TRAINING, UNEVEN, old_layouts, upstream
+from . import BRIDGE, ID, MODULE, NAMES, NEMO, TRAINING, UNEVEN, old_layouts, upstream
 
 # upstream.py's implementations, as patches/expert-keys/ puts them into the upstream file.
 _FIXED = {name: getattr(upstream, name) for name in (*NAMES, "preprocess_state_dict_for_uneven_dtensor")}
@@ -50,11 +50,24 @@ def expert_param_local_key(key, num_experts=None):
     return _FIXED["expert_param_local_key"](key, num_experts)
 
 
+def _preprocess_through(binding, replacement, state_dict):
+    """The uneven-DTensor preprocessing as ``binding`` (a caller's module) binds it, with single
+    grouped expert tensors made EP-global; the release's again once the fix is reverted."""
+    name = "preprocess_state_dict_for_uneven_dtensor"
+    if not _active(name, replacement, binding):
+        return original(binding, name)(state_dict)
+    return _FIXED[name](state_dict)
+
+
 @mark(ID)
 def preprocess_state_dict_for_uneven_dtensor(state_dict):
-    if not _active("preprocess_state_dict_for_uneven_dtensor", preprocess_state_dict_for_uneven_dtensor, TRAINING):
-        return original(TRAINING, "preprocess_state_dict_for_uneven_dtensor")(state_dict)
-    return _FIXED["preprocess_state_dict_for_uneven_dtensor"](state_dict)
+    return _preprocess_through(TRAINING, preprocess_state_dict_for_uneven_dtensor, state_dict)
+
+
+@mark(ID)
+def bridge_preprocess_state_dict_for_uneven_dtensor(state_dict):
+    """Megatron-Bridge's binding (its ``preprocess_fsdp_dtensor_state_dict`` calls it)."""
+    return _preprocess_through(BRIDGE, bridge_preprocess_state_dict_for_uneven_dtensor, state_dict)
 
 
 for _name in _FIXED:  # the docstrings Megatron's readers see
@@ -199,16 +212,17 @@ def _probe_dtensor(rows):
 
 
 def probe_training(module: types.ModuleType):
-    """Does the uneven-DTensor preprocessing ``megatron.training.checkpointing`` calls give a single
-    grouped expert tensor of EP rank 1 of 2 the global shape of all experts? Run with an EP stand-in
-    in ``fsdp_dtensor_checkpoint``'s namespace and Megatron-FSDP's chunk computation (a collective)
-    replaced by the local chunk, both for the duration of the call only."""
+    """Does the uneven-DTensor preprocessing ``megatron.training.checkpointing`` (or Megatron-Bridge's
+    ``megatron.bridge.training.checkpointing``) calls give a single grouped expert tensor of EP rank
+    1 of 2 the global shape of all experts? Run with an EP stand-in in ``fsdp_dtensor_checkpoint``'s
+    namespace and Megatron-FSDP's chunk computation (a collective) replaced by the local chunk, both
+    for the duration of the call only."""
     import importlib
 
     name = "preprocess_state_dict_for_uneven_dtensor"
     fn = module.__dict__.get(name)
     if fn is None:
-        return None, f"{TRAINING} does not bind {name} (Megatron-FSDP absent)"
+        return None, f"{module.__name__} does not bind {name} (Megatron-FSDP absent)"
     if is_replacement(fn):
         fn = original(module, name)  # re-probed after apply (reload): judge the release's binding
     ckpt = importlib.import_module(MODULE)
@@ -247,3 +261,40 @@ def apply_training(module: types.ModuleType, patcher: Patcher) -> None:
     # This module's binding only (not rebound elsewhere): see TRAINING.
     patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", preprocess_state_dict_for_uneven_dtensor)
 
+
+probe_bridge = probe_training
+
+
+def apply_bridge(module: types.ModuleType, patcher: Patcher) -> None:
+    # Megatron-Bridge's binding only, as for megatron.training: see BRIDGE.
+    patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", bridge_preprocess_state_dict_for_uneven_dtensor)
+
+
+
+# -- NeMo 2 (nemo-toolkit < 3.0): a known gap, reported, not patched --------------------------------
+
+_NEMO_GAP = (
+    "NeMo 2's MegatronStrategy._get_fsdp_dtensor_state_dict preprocesses fsdp_dtensor checkpoints "
+    "without handle_experts_in_state_dict: under expert parallelism its expert keys keep their "
+    "EP-local indices and EP ranks overwrite each other's experts; mcore-ckpt-fixes does not cover "
+    "that path (README: Frameworks)"
+)
+
+
+def probe_nemo(module: types.ModuleType):
+    """Does NeMo 2's strategy call the expert-key handling at all? (It has no parallel state of its
+    own to run on stand-ins: the names its method's code refers to tell.)"""
+    strategy = getattr(module, "MegatronStrategy", None)
+    method = getattr(strategy, "_get_fsdp_dtensor_state_dict", None)
+    code = getattr(method, "__code__", None)
+    if code is None:
+        return None, f"{NEMO} has no MegatronStrategy._get_fsdp_dtensor_state_dict (no fsdp_dtensor path)"
+    if "handle_experts_in_state_dict" in code.co_names:
+        return False, "MegatronStrategy._get_fsdp_dtensor_state_dict calls handle_experts_in_state_dict"
+    return True, _NEMO_GAP
+
+
+def apply_nemo(module: types.ModuleType, patcher: Patcher) -> None:
+    # Reported as failed (a MegatronPatchWarning at import; `require` raises): a user of that path
+    # under EP must learn that this package does not make it safe.
+    raise NotImplementedError(_NEMO_GAP)

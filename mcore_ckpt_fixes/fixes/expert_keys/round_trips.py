@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ...testing.meshes import cpu_device_meshes
 from ...testing.result import RoundTrip
 from ...testing.states import fix_states
-from . import ID as FIX_ID, MODULE as _MODULE, TRAINING as _TRAINING
+from . import BRIDGE as _BRIDGE, ID as FIX_ID, MODULE as _MODULE, TRAINING as _TRAINING
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 EP, NUM_EXPERTS = 2, 4
@@ -161,7 +161,9 @@ class _Chunk(torch.nn.Module):
         super().__init__()
         self.module = torch.nn.Module()
         self.module.module = inner
-        self.config = types.SimpleNamespace(num_moe_experts=NUM_EXPERTS)
+        # What the preprocessing reads of the model's config (Bridge: the expert count and whether
+        # SwiGLU is on; no SwiGLU here).
+        self.config = types.SimpleNamespace(num_moe_experts=NUM_EXPERTS, gated_linear_unit=False, activation_func=None)
 
 
 def _build(layout, seed, variant="indexed"):
@@ -203,9 +205,15 @@ def _build(layout, seed, variant="indexed"):
     return chunk, {"model": dict(params), "optimizer": {"state": state}}, expected
 
 
-def _preprocess(chunk, state):
-    """The fsdp_dtensor checkpoint preprocessing of this release (save and load alike)."""
+def _preprocess(chunk, state, via="release"):
+    """The fsdp_dtensor checkpoint preprocessing of this release (save and load alike), or with
+    ``via="bridge"`` Megatron-Bridge's own (``preprocess_fsdp_dtensor_state_dict(cfg, state, model)``,
+    which reads the expert count and SwiGLU from the model's config)."""
     args = types.SimpleNamespace(swiglu=False, num_experts=NUM_EXPERTS)
+    if via == "bridge":
+        from megatron.bridge.training.checkpointing import preprocess_fsdp_dtensor_state_dict as bridge
+
+        return bridge(None, state, chunk), _BRIDGE
     try:
         from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
     except ImportError:  # 0.16 wheel: the same steps, from megatron.core
@@ -239,9 +247,10 @@ def _collect(state, chunk):
     return out
 
 
-def _fix_state(patched, variant="indexed"):
-    # Grouped tensors are made EP-global through megatron.training.checkpointing's preprocessing.
-    return fix_states(FIX_ID, (_MODULE,) if variant == "indexed" else (_MODULE, _TRAINING), patched)
+def _fix_state(patched, variant="indexed", via="release"):
+    # Grouped tensors are made EP-global through the caller's binding of the preprocessing.
+    site = _BRIDGE if via == "bridge" else _TRAINING
+    return fix_states(FIX_ID, (_MODULE,) if variant == "indexed" else (_MODULE, site), patched)
 
 
 def _sources(layout, key, got, variant):
@@ -258,7 +267,7 @@ def _sources(layout, key, got, variant):
     return found
 
 
-def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed", via="release"):
     if device != "cpu":
         raise ValueError("expert-keys scenarios run on CPU (gloo) only")
     rt = RoundTrip(device="cpu", loaded_from={}, via=None)
@@ -269,23 +278,23 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", variant="index
         with rt.running():  # records DCP's CheckpointException too (a BaseException)
             layout = _Layout()
             rt["coords"] = layout.coords
-            expected = _save(rt, layout, ckpt_dir, patched, variant)
-            _load_and_compare(rt, layout, ckpt_dir, variant, expected)
+            expected = _save(rt, layout, ckpt_dir, patched, variant, via)
+            _load_and_compare(rt, layout, ckpt_dir, variant, expected, via)
     finally:
         ps.destroy_model_parallel()
     return rt.result
 
 
-def _save(rt, layout, ckpt_dir, patched, variant):
+def _save(rt, layout, ckpt_dir, patched, variant, via="release"):
     """Build, preprocess and save this rank's state; {compare key: expected local shard}."""
     import torch.distributed.checkpoint as dcp
 
     chunk, state, expected = _build(layout, SAVE_SEED, variant)
     rt.phase("precondition")
-    rt["fix_state"] = _fix_state(patched, variant)
+    rt["fix_state"] = _fix_state(patched, variant, via)
     rt.phase("preprocess")
     raw = {(n, sub): v for n, entry in state["optimizer"]["state"].items() for sub, v in entry.items()}
-    to_save, rt["via"] = _preprocess(chunk, state)
+    to_save, rt["via"] = _preprocess(chunk, state, via)
     # The caller's optimizer dicts (Megatron loads the optimizer from them afterwards) keep the
     # parameter-shaped tensors, whatever the preprocessing put in the dict it checkpoints.
     rt["raw_state_kept"] = all(
@@ -303,7 +312,7 @@ def _save(rt, layout, ckpt_dir, patched, variant):
     return expected
 
 
-def _load_and_compare(rt, layout, ckpt_dir, variant, expected):
+def _load_and_compare(rt, layout, ckpt_dir, variant, expected, via="release"):
     """Load into a fresh state (strict: a missing key fails) and compare with what was saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -313,7 +322,7 @@ def _load_and_compare(rt, layout, ckpt_dir, variant, expected):
     same = [k for k, v in expected.items() if v.numel() and torch.equal(v, fresh_expected[k])]
     assert not same, f"fresh state already equals the saved one on {same}: the check would be vacuous"
     rt.phase("load_preprocess")
-    to_load, _ = _preprocess(fresh_chunk, fresh_state)
+    to_load, _ = _preprocess(fresh_chunk, fresh_state, via)
     rt.phase("load")
     dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=False))
     rt.phase("compare")
@@ -354,6 +363,15 @@ def ep2_dp2_grouped(rank, world_size, ckpt_dir, patched, device="cpu"):
     """EP=2 x expert-DP=2 on 4 ranks, single grouped expert tensors cut unevenly over expert DP."""
     assert world_size == 4, f"ep2_dp2_grouped needs 4 ranks, got {world_size}"
     return round_trip(rank, world_size, ckpt_dir, patched, device, variant="grouped")
+
+
+def bridge_ep2_grouped(rank, world_size, ckpt_dir, patched, device="cpu", variant="grouped"):
+    """EP=2 on 2 ranks through Megatron-Bridge's ``preprocess_fsdp_dtensor_state_dict`` (its save and
+    load both run it): single grouped weight + bias (``variant="grouped"``) or a grouped bias beside
+    indexed weights (``"grouped_bias"``). Not registered: needs Megatron-Bridge installed
+    (tests/frameworks/test_bridge_expert_keys.py)."""
+    assert world_size == 2, f"bridge_ep2_grouped needs 2 ranks, got {world_size}"
+    return round_trip(rank, world_size, ckpt_dir, patched, device, variant=variant, via="bridge")
 
 
 # -- old layout: saved by one process (fix on or off), loaded by another (fix on) -------------------
