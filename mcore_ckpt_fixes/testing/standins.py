@@ -87,3 +87,102 @@ def install_mamba_ssm_stand_in() -> None:
         if parent:
             setattr(sys.modules[parent], child, mod)
     sys.modules["mamba_ssm"].__version__ = "0.0.0"  # only read by forward-time version checks
+
+
+# -- transformer_engine, for Megatron-Bridge's import only ------------------------------------------
+#
+# ``megatron.bridge.training.checkpointing`` imports the whole ``megatron.bridge`` package, and one
+# module of it, ``megatron.bridge.peft.lora_layers``, imports ``transformer_engine.pytorch`` without
+# a fallback (every other import of Transformer Engine on that path is a try/except). Transformer
+# Engine cannot be installed without CUDA. What ``lora_layers`` evaluates while it is imported is its
+# return annotations ``te.ops.Sequential``; everything else it takes from TE runs only when a LoRA
+# adapter is built with TE layers, which a checkpoint round trip never does.
+#
+# The stand-in is visible to that one module body and nothing else: it sits in ``sys.modules`` only
+# while ``lora_layers`` executes and is removed right after. Megatron-Core's own probes
+# (``try: import transformer_engine``, ``get_te_version()``, which caches what it finds) therefore
+# still see no Transformer Engine, as on any CPU host, and choose their non-TE paths.
+
+_TE_STAND_IN_FOR = "megatron.bridge.peft.lora_layers"
+_TE_NAMES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")
+
+
+class _TEOpStandIn:
+    """``transformer_engine.pytorch.ops.Sequential``: a name for annotations, never built here."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("transformer_engine stand-in: TE fused ops are not available on this host")
+
+
+def _te_stand_in_modules():
+    doc = f"stand-in registered by mcore_ckpt_fixes.testing.standins for {_TE_STAND_IN_FOR} only"
+    mods = {name: types.ModuleType(name, doc) for name in _TE_NAMES}
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        mods[name].__path__ = []
+    mods["transformer_engine.pytorch.ops"].Sequential = _TEOpStandIn
+    mods["transformer_engine"].pytorch = mods["transformer_engine.pytorch"]
+    mods["transformer_engine.pytorch"].ops = mods["transformer_engine.pytorch.ops"]
+    return mods
+
+
+class _TEStandInLoader:
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        mods = _te_stand_in_modules()
+        for name, mod in mods.items():
+            sys.modules.setdefault(name, mod)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            for name, mod in mods.items():
+                if sys.modules.get(name) is mod:
+                    del sys.modules[name]
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _TEStandInFinder:
+    """Finds ``lora_layers`` through the other finders and wraps its loader (see above)."""
+
+    def __init__(self):
+        self._busy = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TE_STAND_IN_FOR or self._busy:
+            return None
+        self._busy = True  # the other finders may ask the meta path again (post-import hooks)
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy = False
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _TEStandInLoader(spec.loader)
+        return spec
+
+
+def install_transformer_engine_stand_in_for_bridge() -> None:
+    """Let ``megatron.bridge`` import on a host without Transformer Engine (see above); must run
+    before ``megatron.bridge`` is imported. A real ``transformer_engine`` always wins."""
+    if _TE_STAND_IN_FOR in sys.modules or any(isinstance(f, _TEStandInFinder) for f in sys.meta_path):
+        return
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("transformer_engine") is not None:
+            return
+    except (ImportError, ValueError):
+        pass
+    sys.meta_path.insert(0, _TEStandInFinder())

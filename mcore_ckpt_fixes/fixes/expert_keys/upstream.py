@@ -268,12 +268,29 @@ def replacement_code() -> str:
     return header + code.rstrip("\n") + "\n\n\n"
 
 
+# Megatron-Bridge binds the uneven-DTensor preprocessing the same way (same anchor). Its diff takes the
+# patched preprocessing where Megatron-Core carries patches/expert-keys (which defines it), and keeps
+# Megatron-FSDP's own otherwise: an ImportError here must not switch Bridge's Megatron-FSDP support off.
+BRIDGE_FILE = "megatron/bridge/training/checkpointing.py"
+BRIDGE_IMPORT = (
+    "    try:  # Megatron-Core with patches/expert-keys: single grouped expert tensors made EP-global too\n"
+    "        from megatron.core.transformer.fsdp_dtensor_checkpoint import preprocess_state_dict_for_uneven_dtensor\n"
+    "    except ImportError:\n"
+    "        pass\n"
+)
+
+
 def source_edits(release: str) -> list:
     """The same on every affected release line: upstream's key functions, up to the next top-level
     one, become the replacement; where the release ships ``megatron/training`` (0.17+ wheels) its
-    checkpointing imports the patched preprocessing."""
-    from ...sourcediff import ReplaceBetween, insert_before
+    checkpointing imports the patched preprocessing. ``megatron-bridge-<version>``: Bridge's
+    checkpointing imports it likewise (apply with Megatron-Core's diff)."""
+    from ...sourcediff import PatchgenError, ReplaceBetween, insert_before
 
+    if release.startswith("megatron-bridge-"):
+        if release != "megatron-bridge-0.6.2":
+            raise PatchgenError(f"expert-keys has no edits for {release} (measured: megatron-bridge-0.6.2)")
+        return [insert_before(BRIDGE_FILE, TRAINING_ANCHOR, BRIDGE_IMPORT)]
     return [
         ReplaceBetween(TARGET, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code()),
         insert_before(TRAINING_FILE, TRAINING_ANCHOR, TRAINING_IMPORT, optional=True),
