@@ -16,7 +16,7 @@ import os
 import sys
 
 KEEP = ("error", "phase", "rank_errors", "max_delta", "n_tensors", "bad_groups", "sharding_type",
-        "warnings", "fix_state", "module", "traceback")
+        "warnings", "fix_state", "module", "traceback", "steps")
 
 
 def _plain(value):

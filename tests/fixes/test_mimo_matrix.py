@@ -8,7 +8,8 @@ pass of the newest release in tools/releases.txt. 0.16.1 (py3.11, no megatron.co
 not in it. "off" = MCORE_CKPT_FIXES=off; exact = every optimizer state tensor delta 0.0, every
 param-group field and the sharding type equal, on both ranks.
 
-Two configurations, because unpatched 0.17/0.18 can write a checkpoint in only one of them:
+Three configurations: unpatched 0.17/0.18 can write a checkpoint in ``mixed`` and ``adam`` only,
+and ``adam`` shows defect (e) (each module's common state) on every release:
 
 ``dist``: both modules' inner optimizers are DistributedOptimizers (``dp_reshardable``, the type
 that round-trips on CPU, see mcore_ckpt_fixes/fixes/mimo_optimizer/round_trips.py). All six savers:
@@ -29,6 +30,28 @@ the common state that only rank 0 writes, i.e. nowhere). The rows only these sav
     saved by \\ loaded by | 0.17.1 off   | 0.17.1 on | 0.18.2 off  | 0.18.2 on | 0.19.2 off | 0.19.2 on
     0.17.1 off           | NO_TYPE (b)  | exact+W   | NO_TYPE_KEY | exact+W   | NO_PREFIX  | exact+W
     0.18.2 off           | NO_TYPE (b)  | exact+W   | exact       | exact+W   | NO_PREFIX  | exact+W
+
+``adam``: both modules on Megatron's non-distributed optimizer over torch's AdamW (bf16; the
+configuration of upstream's own test_mimo_checkpoint.py), whose step shared by all parameters is
+plain common state (``optimizer.state.common_step``), written by global rank 0 (language) only. The
+0.19.2 rows' loads by 0.17/0.18 are not run (NO_COMMON, as in ``dist``):
+
+    saved by \\ loaded by | 0.17.1 off | 0.17.1 on | 0.18.2 off | 0.18.2 on | 0.19.2 off | 0.19.2 on
+    0.17.1 off           | NO_STEP    | STEP+W    | NO_STEP    | STEP+W    | NO_PREFIX  | STEP+W
+    0.17.1 on            | NO_UNPREF  | exact     | NO_UNPREF  | exact     | NO_STEP    | exact
+    0.18.2 off           | NO_STEP    | STEP+W    | NO_STEP    | STEP+W    | NO_PREFIX  | STEP+W
+    0.18.2 on            | NO_UNPREF  | exact     | NO_UNPREF  | exact     | NO_STEP    | exact
+    0.19.2 off           | (not run)  | (not run) | (not run)  | (not run) | NO_STEP    | STEP+W
+    0.19.2 on            | (not run)  | (not run) | (not run)  | (not run) | NO_STEP    | exact
+
+NO_STEP: defect (e), ``KeyError: 'step'`` in torch's ``Adam.__setstate__`` on the vision rank (its
+Adam state comes back without a step). NO_UNPREF: unpatched 0.17/0.18 ask for the unprefixed keys
+(``KeyError: "optimizer.state.exp_avg.language_model... from model not in state dict``). STEP+W:
+the checkpoint has no per-module common state, so the vision step is not in it: every tensor and
+param-group field exact except the vision step, which is the language model's (the fix's stated
+source: MimoOptimizer steps every module together; the saved steps differ per module here on
+purpose), with a MegatronPatchWarning naming ``vision.optimizer.state.common_step`` and where it
+came from (plus the old-layout warning for 0.17/0.18's unprefixed keys).
 
 COLLISION: ``CheckpointingException: Invalid sharding pattern validation. Errors: Duplicate
 ShardedObject keys: ['optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1'] ...`` (defect (d):
@@ -70,11 +93,24 @@ NO_COMMON = "CheckpointingException: Common file {ckpt}/common.pt does not exist
 NO_TYPE = "AssertionError: dict_keys(['param_state', 'optimizer'])"
 NO_TYPE_KEY = "Missing key in checkpoint state_dict: optimizer.mimo.vision.param_state_sharding_type/shard_0_1."
 NO_PREFIX = 'KeyError: "mimo.language.optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
+NO_UNPREFIXED = 'KeyError: "optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
+NO_STEP = "KeyError: 'step'"
 
 # Inner optimizer type per configuration, and the savers whose rows each configuration gives.
-CONFIGS = {"dist": "dp_reshardable", "mixed": {"language": "non_distributed", "vision": "dp_reshardable"}}
-SAVERS = {"dist": CELLS, "mixed": [("0.17.1", False), ("0.18.2", False)]}
+CONFIGS = {
+    "dist": "dp_reshardable",
+    "mixed": {"language": "non_distributed", "vision": "dp_reshardable"},
+    "adam": "non_distributed",
+}
+SAVERS = {"dist": CELLS, "mixed": [("0.17.1", False), ("0.18.2", False)], "adam": CELLS}
 SAVE_CASES = [(config, saver) for config in CONFIGS for saver in SAVERS[config]]
+
+
+def _runs(case, loader):
+    """Is this load run? 0.19's checkpoints cannot be read by 0.17/0.18 at all (NO_COMMON, MIMO or
+    not): the ``dist`` rows show it; the ``adam`` rows leave those eight worlds out."""
+    config, (s_rel, _) = case
+    return not (config == "adam" and s_rel == "0.19.2" and loader[0] != "0.19.2")
 
 
 def _releases():
@@ -154,7 +190,7 @@ def matrix(tmp_path_factory):
     loads = {}
     written = [case for case in SAVE_CASES if _saved_ok(saves[case])]
     for rel in MATRIX_RELEASES:
-        pairs = [(case, (rel, patched)) for case in written for patched in (False, True)]
+        pairs = [(case, (rel, patched)) for case in written for patched in (False, True) if _runs(case, (rel, patched))]
         jobs = [
             {"mode": "load", "ckpt_dir": ckpt[case], "patched": loader[1], "sharding_type": CONFIGS[case[0]]}
             for case, loader in pairs
@@ -277,3 +313,67 @@ def test_load_old_layout(saver, loader, matrix):
         _assert_exact(ranks, loader, "mixed")  # its own layout
     else:  # unpatched 0.19.2: only the prefixed keys are asked for
         _assert_raised_containing(ranks, "load", NO_PREFIX, [0, 1])
+
+
+def _common_state_warning(ckpt, recovered):
+    return (
+        f"mcore_ckpt_fixes: mimo-optimizer: {ckpt} holds no per-module common state for the MIMO optimizer "
+        f"module(s) vision (saved without it: by Megatron-Core 0.17-0.19.2, patched by an earlier "
+        f"mcore_ckpt_fixes or not): a module's plain optimizer state is only in the common state, which "
+        f"global rank 0 writes, so theirs is not in the checkpoint; in its place: {recovered}; the next "
+        f"save writes the current layout"
+    )
+
+
+@pytest.mark.parametrize("loader", CELLS, ids=_label)
+@pytest.mark.parametrize("saver", SAVERS["adam"], ids=_label)
+def test_load_adam(saver, loader, matrix):
+    """torch AdamW behind the non-distributed optimizer on both modules (defect (e)): the step."""
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import SAVE_SEED, saved_step
+
+    s_rel, s_patched = saver
+    l_rel, l_patched = loader
+    case = ("adam", saver)
+    ckpt = matrix["ckpt"][case]
+    if not _runs(case, loader):
+        assert (case, loader) not in matrix["loads"]  # NO_COMMON, as the dist rows show
+        return
+    ranks = matrix["loads"][(case, loader)]
+    unprefixed = s_rel in ("0.17.1", "0.18.2") and not s_patched  # the 0.17/0.18 key layout
+    lang, vision = saved_step(SAVE_SEED, "language"), saved_step(SAVE_SEED, "vision")
+    if not l_patched:
+        if unprefixed == (l_rel == "0.19.2"):
+            # The loader asks for the other key layout (every rank's DCP read fails).
+            _assert_raised_containing(ranks, "load", NO_PREFIX if unprefixed else NO_UNPREFIXED, [0, 1])
+        else:
+            # Defect (e): the vision rank's Adam state comes back without its step.
+            _assert_raised_containing(ranks, "load_state_dict", NO_STEP, [1])
+            assert ranks[0]["error"] == NO_STEP
+    elif s_patched:
+        _assert_exact(ranks, loader, "adam")  # each module's own common state: no warning
+        assert [r["steps"] for r in ranks] == [[lang] * len(ranks[0]["steps"]), [vision] * len(ranks[1]["steps"])]
+        assert ranks[0]["steps"], ranks
+    else:
+        # Written without per-module common state: the vision step is not in the checkpoint. The
+        # fix loads everything else exactly and, with the warning, the step of the language model
+        # (on global rank 0, so in the common state): the saved values differ here on purpose.
+        n = len(ranks[1]["steps"])
+        diff = [f"group {i} step: saved {vision}, loaded {lang}" for i in range(n)]
+        error = f"AssertionError: loaded state differs from the saved one: {diff}"
+        recovered = (
+            f"vision.optimizer.state.common_step = {lang} (taken from module language: MimoOptimizer steps "
+            f"every module together)"
+        )
+        old = [_old_layout_warning(ckpt, m, None) for m in ("language", "vision")] if unprefixed else [None, None]
+        expected_warnings = [
+            [w for w in (old[0],) if w],
+            sorted(w for w in (old[1], _common_state_warning(ckpt, recovered)) if w),
+        ]
+        assert n > 0 and [r.get("module") for r in ranks] == ["language", "vision"], ranks
+        for rank, r in enumerate(ranks):
+            assert r["ok"] and (r["phase"], r["error"]) == ("compare", error), (rank, r["phase"], r["error"])
+            assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+            assert r["bad_groups"] == ([] if rank == 0 else diff) and r["steps"] == [lang] * n, (rank, r)
+            assert r["warnings"] == expected_warnings[rank], (rank, r["warnings"])
+            assert r["fix_state"] == {TARGET: "applied"}, (rank, r["fix_state"])
+        assert ranks[0]["rank_errors"] == [None, error]

@@ -8,15 +8,18 @@ What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tens
 """
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import MIMO_SAVE_SIDE, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG
+from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import (
+    MIMO_COMMON_STATE, MIMO_SAVE_SIDE, MIMO_STEP_BUG, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG,
+)
 from mcore_ckpt_fixes.testing import for_fix, resolve
 
-SCENARIO = for_fix("mimo-optimizer")[0]
+SCENARIO, ADAM = for_fix("mimo-optimizer")
 WORLDS = {"world2": (2, MIMO_WORLD2_BUG), "world4_tp2": (4, MIMO_WORLD4_BUG)}
 
 
@@ -35,9 +38,13 @@ def _need_mimo(version):
 
 
 def test_registry_declares_the_round_trip():
-    assert [s.name for s in for_fix("mimo-optimizer")] == ["world2"]
+    assert [s.name for s in for_fix("mimo-optimizer")] == ["world2", "torch_adam"]
     assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip"
     assert SCENARIO.bug == {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG}  # 0.19: no fix-off failure in this round trip
+    assert ADAM.nproc == 2 and ADAM.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:torch_adam"
+    assert ADAM.bug == {MIMO_COMMON_STATE: MIMO_STEP_BUG}
+    assert set(SpecifierSet(MIMO_COMMON_STATE)) == set(FIX.specifiers)  # every affected release
+    assert (MIMO_STEP_BUG.phase, MIMO_STEP_BUG.error) == ("load_state_dict", "KeyError: 'step'")
     for bug, idxs in ((MIMO_WORLD2_BUG, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
         assert bug.kind == "raises" and bug.phase == "save"
         assert bug.error.startswith("CheckpointingException: Invalid sharding pattern validation. Errors: ")
@@ -76,16 +83,15 @@ def test_status_on_this_release(mcore_version):
         assert " not-applicable " in line and "No module named" in line, line
     elif mcore_version in FIX.specifiers:
         assert " applied " in line, line
-        # The probe names each defect it found: all four on 0.17, only the key collision on 0.18,
-        # none on 0.19 (the load side only), and on every one that the load cannot read old keys.
-        found = {d for d in "abcd" if f"({d}) " in line}
+        # The probe names each defect it found: (a)-(d) on 0.17, the key collision on 0.18, and the
+        # common state on every one; and on every one that the load cannot read old layouts.
+        found = {d for d in "abcde" if f"({d}) " in line}
         series = mcore_version.release[:2]
-        assert found == {(0, 17): set("abcd"), (0, 18): {"d"}, (0, 19): set()}[series], line
+        assert found == {(0, 17): set("abcde"), (0, 18): {"d", "e"}, (0, 19): {"e"}}[series], line
         if series < (0, 19):
             assert "(d) inner keys are not prefixed by module" in line, line
-        else:
-            assert "load side only: MimoOptimizer already saves every module under its own keys" in line, line
-        assert "dist_checkpointing.load cannot read the MIMO optimizer layout unfixed 0.17/0.18 wrote" in line, line
+        assert "(e) a module's plain optimizer state (e.g. torch Adam's common_step) stays in the common state" in line
+        assert "dist_checkpointing.load cannot read the MIMO optimizer layouts unfixed releases wrote" in line, line
     else:
         assert " not-needed " in line, line
 
@@ -147,3 +153,59 @@ def test_world4_tp2_mixed_optimizers(patched, tmp_path, mcore_version):
         assert r["fix_state"] == {"megatron.core.models.mimo.optimizer": state}, (rank, r["fix_state"])
         assert r["warnings"] == []
     assert [r["module"] for r in results] == ["language", "language", "vision", "vision"]
+
+
+# Defect (e), the configuration of upstream's own MIMO checkpoint test (tests/unit_tests/models/
+# mimo/test_mimo_checkpoint.py in 0.18/0.19: non-distributed optimizer, bf16, Adam; two modules on
+# disjoint ranks, TP=1 each on 2 ranks and TP=2 each on 4): torch's AdamW keeps its step per
+# parameter, Float16Optimizer saves it once as plain common state (``optimizer.state.common_step``),
+# which only global rank 0 writes, so the module off rank 0 loads its Adam state without a step.
+# Unpatched 0.17 with TP=2 stops earlier, at defect (c) (both TP ranks of a module write its param
+# groups): the round trip's preflight shares rank 0's validation error with every rank, where a
+# bare dist_checkpointing.save would leave the other ranks waiting in its collectives.
+ADAM_TP2_REPLICA_ERROR = (
+    "CheckpointingException: Invalid sharding pattern validation. Errors: "
+    "Duplicate ShardedObject keys: ['optimizer.mimo.language.param_groups/shard_0_1']\n"
+    "Invalid access pattern: -1 ShardedObject are missing.\n"
+    "Duplicate ShardedObject keys: ['optimizer.mimo.vision.param_groups/shard_0_1']\n"
+    "Invalid access pattern: -1 ShardedObject are missing."
+)
+
+
+@pytest.mark.parametrize("nproc", [2, 4], ids=["world2", "world4_tp2"])
+def test_torch_adam_unpatched(nproc, tmp_path, mcore_version):
+    _need_mimo(mcore_version)
+    results = values(run_world(ADAM.func, nproc, {"ckpt_dir": str(tmp_path), "patched": False},
+                               env={"MCORE_CKPT_FIXES": "off"}, timeout=300))
+    assert [r["module"] for r in results] == ["language"] * (nproc // 2) + ["vision"] * (nproc // 2)
+    if nproc == 4 and mcore_version.release[:2] == (0, 17):
+        for rank, r in enumerate(results):
+            assert (r["phase"], r["error"]) == ("save", ADAM_TP2_REPLICA_ERROR), (rank, r["phase"], r["error"])
+        assert results[0]["rank_errors"] == [ADAM_TP2_REPLICA_ERROR, None, None, None]
+        return
+    bug = ADAM.bug_for(mcore_version)
+    assert bug is MIMO_STEP_BUG and bug.seen_in(results), [(r["phase"], r["error"]) for r in results]
+    # Raised by the inner optimizer load of every vision rank (global rank 0 holds the language
+    # model, whose step the common state has); the round trip shares it with the language ranks.
+    assert results[0]["rank_errors"] == [None] * (nproc // 2) + [MIMO_STEP_BUG.error] * (nproc // 2)
+    assert "in __setstate__" in results[-1]["traceback"], results[-1]["traceback"]  # torch's Adam
+
+
+@pytest.mark.parametrize("nproc", [2, 4], ids=["world2", "world4_tp2"])
+def test_torch_adam_patched_round_trip_is_exact(nproc, tmp_path, mcore_version):
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import SAVE_SEED, saved_step
+
+    _need_mimo(mcore_version)
+    results = values(run_world(ADAM.func, nproc, {"ckpt_dir": str(tmp_path), "patched": True}, timeout=300))
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        # exp_avg, exp_avg_sq and the fp32 main parameter of every parameter, bit for bit
+        assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert {k.rsplit(".", 1)[1] for k in r["max_delta"]} == {"param", "exp_avg", "exp_avg_sq"}, r["max_delta"]
+        # every param-group field (lr, betas, eps, weight decay, ...) and the step, the module's own
+        assert r["bad_groups"] == [] and r["sharding_type"] is None, (rank, r["bad_groups"], r["sharding_type"])
+        assert r["steps"] and r["steps"] == [saved_step(SAVE_SEED, r["module"])] * len(r["steps"]), (rank, r["steps"])
+        assert r["fix_state"] == {"megatron.core.models.mimo.optimizer": "applied"}, (rank, r["fix_state"])
+        assert r["warnings"] == [], (rank, r["warnings"])
+    assert [r["module"] for r in results] == ["language"] * (nproc // 2) + ["vision"] * (nproc // 2)
+    assert saved_step(SAVE_SEED, "language") != saved_step(SAVE_SEED, "vision")

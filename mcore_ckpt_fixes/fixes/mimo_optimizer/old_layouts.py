@@ -73,6 +73,8 @@ def _mimo_copy_containers(tree):
 
 # The per-module objects MimoOptimizer adds (0.17: param groups and grad scaler; 0.18+: the
 # sharding type too): position in the module's sub-dict -> the plain value they stand for.
+# Each module's common state (its plain values; see common_state.py), written by this fix only.
+_MIMO_COMMON_FIELD = "_mimo_common_state"
 _MIMO_PLAIN_FIELDS = {
     "_mimo_param_groups": ("optimizer", "param_groups"),
     "_mimo_param_state_sharding_type": ("param_state_sharding_type",),
@@ -80,16 +82,109 @@ _MIMO_PLAIN_FIELDS = {
 }
 
 
+def _mimo_get(tree, path):
+    """The node at ``path`` in nested dicts/lists, or None."""
+    for key in path:
+        if isinstance(tree, dict) and key in tree:
+            tree = tree[key]
+        elif isinstance(tree, list) and isinstance(key, int) and 0 <= key < len(tree):
+            tree = tree[key]
+        else:
+            return None
+    return tree
+
+
+def _mimo_has(tree, path):
+    parent = _mimo_get(tree, path[:-1])
+    return isinstance(parent, dict) and path[-1] in parent
+
+
+def _mimo_plain_paths(tree, path=()):
+    """Paths of the plain values in a loaded (all-plain) tree."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _mimo_plain_paths(value, path + (key,))
+    elif path:
+        yield path
+
+
+def _mimo_show(value):
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+        return repr(value.item())
+    return repr(value)
+
+
+# The step Float16Optimizer/FP32Optimizer keep for all parameters (Adam's per-parameter 'step').
+_MIMO_STEP = "common_step"
+
+
+def _mimo_recover_common_state(loaded, lost):
+    """Fill what a module's missing common-state object held, as far as the checkpoint allows.
+
+    ``lost``: (path of the object in the request, module, the request's entries). The common state
+    every rank loads is global rank 0's: a module there has its values; another module has none. A
+    missing ``common_step`` under per-parameter state (torch Adam cannot load without it) is taken
+    from a module that has one (MimoOptimizer steps every module together), else from this
+    optimizer's own request; another missing value from the request. Returns the texts naming each.
+    """
+    recovered = []
+    for path, module, requested in lost:
+        sub = _mimo_get(loaded, path[:-1])
+        at = max((i for i, part in enumerate(path[:-1]) if part == module), default=None)
+        if not isinstance(sub, dict) or at is None:
+            continue
+        siblings = _mimo_get(loaded, path[:at])
+        inner = path[at + 1 : -1]  # a chained optimizer's index, or nothing
+        others = {
+            name: _mimo_get(tree, inner)
+            for name, tree in (siblings.items() if isinstance(siblings, dict) else ())
+            if name != module
+        }
+        wanted = {tuple(p): v for p, v in (requested or [])}
+        candidates = list(wanted)
+        for other in others.values():
+            for p in _mimo_plain_paths(other) if isinstance(other, dict) else ():
+                if p[-1] == _MIMO_STEP and p not in candidates:
+                    candidates.append(p)
+        for p in candidates:
+            if _mimo_has(sub, p):
+                continue  # the common state had it (the module sits on global rank 0)
+            source = None
+            if p[-1] == _MIMO_STEP:
+                state = _mimo_get(sub, p[:-1])
+                if not (isinstance(state, dict) and state):
+                    continue  # no per-parameter state here that needs a step
+                source = next(
+                    ((f"taken from module {name}: MimoOptimizer steps every module together", _mimo_get(o, p))
+                     for name, o in sorted(others.items()) if _mimo_has(o, p)),
+                    None,
+                )
+            if source is None and p in wanted:
+                source = ("this optimizer's own value before the load", wanted[p])
+            if source is None:
+                continue
+            node = sub
+            for key in p[:-1]:
+                node = node.setdefault(key, {})
+            node[p[-1]] = source[1]
+            name = ".".join(str(x) for x in (module,) + tuple(inner) + tuple(p))
+            recovered.append(f"{name} = {_mimo_show(source[1])} ({source[0]})")
+    return recovered
+
+
 def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
     """(request, finish): what ``dist_checkpointing.load`` should ask for, and ``finish(loaded)``,
-    which completes the loaded state dict and returns the warning to give (or None).
+    which completes the loaded state dict and returns the warnings to give (a list, maybe empty).
 
     A MIMO optimizer module whose keys (``mimo.<module>.<key>``) are absent from the checkpoint
     while the unprefixed ``<key>`` names are there was saved by an unfixed Megatron-Core
     0.17/0.18: ask for the unprefixed names. What that layout did not store for a module (0.17
     keeps the sharding type in the common state, which only global rank 0 writes) is filled with
     the value the load requested: the module's optimizer keys are that sharding type's keys, or
-    the load would already fail on them. The caller's dict is left as it was built.
+    the load would already fail on them. A module's common-state object (``..common_state``)
+    that the checkpoint lacks (every unfixed release, and earlier versions of this fix) is not
+    asked for; what it would have held is recovered where the checkpoint allows, with a warning
+    naming each value (:func:`_mimo_recover_common_state`). The caller's dict is left as built.
     """
     import dataclasses
     import re
@@ -101,35 +196,38 @@ def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
         if match:
             modules.setdefault(match.group(1), []).append((path, item))
     if not modules:
-        return sharded_state_dict, lambda loaded: None
+        return sharded_state_dict, lambda loaded: []
     names = _mimo_checkpoint_names(checkpoint_dir)
     old = {}
     for module, items in modules.items():
         prefix = f"mimo.{module}."
         if any(name.startswith(prefix) for name in names):
-            continue  # the current layout: nothing to do for this module
+            continue  # the current layout: nothing to rename for this module
         renamed = [(path, dataclasses.replace(item, key=item.key[len(prefix):])) for path, item in items]
         if any(_mimo_stored_name(item) in names for _, item in renamed):
             old[module] = renamed
-    if not old:
-        return sharded_state_dict, lambda loaded: None  # unknown layout: let the load report it
+    lost = []  # (path, module, request's entries): common-state objects the checkpoint lacks
+    for module, items in modules.items():
+        for path, item in old.get(module, items):
+            field = str(path[-1]).split(".")[0]
+            if field == _MIMO_COMMON_FIELD and _mimo_stored_name(item) not in names:
+                lost.append((path, module, item.data))
+    if not old and not lost:
+        return sharded_state_dict, lambda loaded: []  # the current layout, or unknown: load reports it
     request = _mimo_copy_containers(sharded_state_dict)
     missing = []  # (path, module, value requested) for objects the old layout did not store
     for module, renamed in old.items():
         for path, item in renamed:
             field = str(path[-1]).split(".")[0]
             if field in _MIMO_PLAIN_FIELDS and _mimo_stored_name(item) not in names:
-                _mimo_set(request, path, None)
                 missing.append((path, module, item.data))
             else:
                 _mimo_set(request, path, item)
-    for path, _, _ in missing:
-        parent = request
-        for key in path[:-1]:
-            parent = parent[key]
-        del parent[path[-1]]
+    for path in [m[0] for m in missing] + [m[0] for m in lost]:
+        del _mimo_get(request, path[:-1])[path[-1]]
 
     def finish(loaded):
+        texts = []
         assumed = []
         for path, module, value in missing:
             parent = loaded
@@ -143,18 +241,30 @@ def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
                 continue  # the common state had it (the module on global rank 0)
             parent[path[-1]] = value
             assumed.append(f"{module}.{plain[-1]} = {value!r}")
-        text = (
-            f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
-            f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
-            f"read from those keys"
-        )
-        if assumed:
-            text += (
-                "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
-                "writes), so taken from this load's request, whose keys the checkpoint has: "
-                + ", ".join(assumed)
+        if old:
+            text = (
+                f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
+                f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
+                f"read from those keys"
             )
-        return text + "; the next save writes the current layout"
+            if assumed:
+                text += (
+                    "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
+                    "writes), so taken from this load's request, whose keys the checkpoint has: "
+                    + ", ".join(assumed)
+                )
+            texts.append(text + "; the next save writes the current layout")
+        recovered = _mimo_recover_common_state(loaded, lost) if isinstance(loaded, dict) else []
+        if recovered:
+            modules_here = sorted({name.split(".")[0] for name in recovered})
+            texts.append(
+                f"{checkpoint_dir} holds no per-module common state for the MIMO optimizer module(s) "
+                f"{', '.join(modules_here)} (saved without it: by Megatron-Core 0.17-0.19.2, patched by an "
+                f"earlier mcore_ckpt_fixes or not): a module's plain optimizer state is only in the common "
+                f"state, which global rank 0 writes, so theirs is not in the checkpoint; in its place: "
+                + ", ".join(recovered) + "; the next save writes the current layout"
+            )
+        return texts
 
     return request, finish
 

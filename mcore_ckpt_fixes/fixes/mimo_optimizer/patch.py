@@ -1,7 +1,9 @@
 """mimo-optimizer, the monkeypatch: ``MimoOptimizer.sharded_state_dict`` / ``load_state_dict`` and
-``_get_replica_id`` replaced on 0.17/0.18 (save side), ``dist_checkpointing.load`` wrapped on every
-affected release (load side, which asks :mod:`.old_layouts` what to request), the probe and apply.
-What the fix prevents and how: see the package docstring. Imported only when the target module is.
+``_get_replica_id`` replaced on 0.17/0.18 (save side, defects (a)-(e)), the two methods wrapped on 0.19
+(defect (e) only: each module's common state, :mod:`.common_state`), ``dist_checkpointing.load``
+wrapped on every affected release (load side, which asks :mod:`.old_layouts` what to request), the
+probe and apply. What the fix prevents and how: see the package docstring. Imported only when the
+target module is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ...engine.errors import MegatronPatchWarning
 from ...engine.patching import Patcher, mark, original
 from ...engine.probing import Group
 from . import ID, LOAD_MODULE, MODULE
+from .common_state import _extract_common_state, _restore_common_state
 from .old_layouts import _mimo_sharded_leaves, align_mimo_optimizer_request
 
 # Where each plain value travels in the 0.18+/0.19 layout: sub-dict key -> ShardedObject name.
@@ -123,7 +126,10 @@ def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
         module_sd = info.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         rid = replica_id(info.pg_collection)
         for idx, (sub_sd, _inner) in enumerate(_sub_dicts(module_sd, info.optimizer)):
-            _as_objects(sub_sd, name, f".{idx}" if idx else "", rid)
+            suffix = f".{idx}" if idx else ""
+            _as_objects(sub_sd, name, suffix, rid)
+            # Last: what is still plain now is the module's common state (defect (e)).
+            _extract_common_state(sub_sd, name, suffix, rid)
         # Inner keys are named by the module's own parallel layout (dp_group_idx_0 in every
         # module): the module name keeps two modules' objects apart.
         _prefix(module_sd, f"mimo.{name}.")
@@ -140,6 +146,7 @@ def load_state_dict(self, state_dict):
         if module_sd is None:
             continue
         for sub_sd, inner in _sub_dicts(module_sd, info.optimizer):
+            _restore_common_state(sub_sd)
             _restore(sub_sd, inner, name)
         info.optimizer.load_state_dict(module_sd)
 
@@ -147,6 +154,40 @@ def load_state_dict(self, state_dict):
 @mark(ID)
 def get_replica_id(pg_collection):
     return replica_id(pg_collection)
+
+
+# Where upstream already writes the per-module layout (0.19, or 0.17/0.18 source-patched by an
+# earlier version of this fix) only defect (e) is left: wrap its methods instead of replacing them.
+
+
+def _mimo_class():
+    return importlib.import_module(MODULE).MimoOptimizer
+
+
+@mark(ID)
+def sharded_state_dict_keeping_common_state(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+    out = original(_mimo_class(), "sharded_state_dict")(self, model_sharded_state_dict, is_loading, **kwargs)
+    for name, info in self.module_infos.items():
+        if not (info.is_active and info.optimizer) or not isinstance(out.get(name), dict):
+            continue
+        rid = replica_id(info.pg_collection)
+        for idx, (sub_sd, _inner) in enumerate(_sub_dicts(out[name], info.optimizer)):
+            suffix = f".{idx}" if idx else ""
+            _extract_common_state(sub_sd, name, suffix, rid)
+            # Upstream has prefixed the module's keys already: prefix the new object alike.
+            obj = sub_sd["_mimo_common_state" + suffix]
+            obj.key = f"mimo.{name}." + obj.key
+    return out
+
+
+@mark(ID)
+def load_state_dict_keeping_common_state(self, state_dict):
+    for name, info in self.module_infos.items():
+        module_sd = state_dict.get(name) if isinstance(state_dict, dict) else None
+        if info.is_active and info.optimizer and isinstance(module_sd, dict):
+            for sub_sd, _inner in _sub_dicts(module_sd, info.optimizer):
+                _restore_common_state(sub_sd)
+    return original(_mimo_class(), "load_state_dict")(self, state_dict)
 
 
 # -- load side (what to request for which stored layout: old_layouts.py) ----------------------
@@ -165,13 +206,26 @@ def load(*args, **kwargs):
     )
     bound.arguments["sharded_state_dict"] = request
     result = func(*bound.args, **bound.kwargs)
-    text = finish(result[0] if isinstance(result, tuple) else result)
-    if text is not None:
+    for text in finish(result[0] if isinstance(result, tuple) else result):
         warnings.warn(f"mcore_ckpt_fixes: {ID}: {text}", MegatronPatchWarning, stacklevel=2)
     return result
 
 
 # -- probe: run the real methods on inert stand-ins and look at what they produce ---------------
+
+
+# What the stand-in inner optimizer returns as plain (common) state, found again by identity.
+_PLAIN = type("_ProbePlainValue", (), {"__repr__": lambda self: "<probe plain value>"})()
+
+
+def _carries(data, value):
+    if data is value:
+        return True
+    if isinstance(data, dict):
+        return any(_carries(v, value) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_carries(v, value) for v in data)
+    return False
 
 
 class _InnerStandIn:
@@ -187,6 +241,8 @@ class _InnerStandIn:
             "optimizer": {"param_groups": [{"lr": 0.5, "params": [7]}]},
             "param_state": {"x": ShardedObject("optimizer.distributed.dp_group_idx_0.x", 1, (1,), (0,))},
             "param_state_sharding_type": "dp_reshardable",
+            # A plain value, as Float16Optimizer's ``optimizer.state.common_step``: common state.
+            "common_step": _PLAIN,
         }
 
     def load_state_dict(self, state_dict):
@@ -215,12 +271,24 @@ def _save_side_problems(module):
     groups = [o for o in objects if isinstance(o, ShardedObject) and o.key.endswith("param_groups")]
     if not groups or groups[0].replica_id[0] != 1:
         problems.append("(c) _get_replica_id ignores the TP rank")
-    # (a): load a module sub-dict whose emptied ``optimizer`` dict did not come back.
-    loaded = {k: v.data if isinstance(v, ShardedObject) else v for k, v in sd.items() if k != "optimizer"}
+    # (e): the plain value must travel in one of the module's own objects (common state is
+    # written by global rank 0 only, which holds another module).
+    saved_plain = any(_carries(o.data, _PLAIN) for o in objects if isinstance(o, ShardedObject))
+    # (a): load a module sub-dict whose emptied ``optimizer`` dict did not come back, and (e) whose
+    # plain value is absent from the common state (rank 0's): it must come back from the objects.
+    loaded = {
+        k: v.data if isinstance(v, ShardedObject) else v for k, v in sd.items() if k not in ("optimizer", "common_step")
+    }
     try:
         cls.load_state_dict(opt, {"language": None, "vision": loaded})
     except KeyError:
         problems.append("(a) load raises KeyError when the module's 'optimizer' dict was not saved")
+    restored = inner.loaded is not None and inner.loaded.get("common_step") is _PLAIN
+    if not (saved_plain and (restored or inner.loaded is None)):
+        problems.append(
+            "(e) a module's plain optimizer state (e.g. torch Adam's common_step) stays in the common state "
+            "that only global rank 0 writes"
+        )
     return problems
 
 
@@ -237,8 +305,9 @@ class _RecordingLoad:
 
 def _load_reads_old_layout():
     """Does the real ``dist_checkpointing.load`` ask for the unprefixed name when the checkpoint
-    only has that? A throw-away checkpoint (metadata, config and common state; written by torch
-    DCP without a process group) and a recording strategy stand in for the files and the reads."""
+    only has that, and leave out a module's common-state object the checkpoint does not have? A
+    throw-away checkpoint (metadata, config and common state; written by torch DCP without a
+    process group) and a recording strategy stand in for the files and the reads."""
     import json
     import tempfile
 
@@ -249,17 +318,31 @@ def _load_reads_old_layout():
     _, ShardedObject, _ = _megatron()
     with tempfile.TemporaryDirectory(prefix="mcore-ckpt-fixes-probe-") as ckpt:
         old = ShardedObject("optimizer.distributed.x", None, (1,), (0,))
-        dcp.save({old.unique_key: torch.zeros(1)}, storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True)
+        current = ShardedObject("mimo.language.y", None, (1,), (0,))
+        dcp.save(
+            {old.unique_key: torch.zeros(1), current.unique_key: torch.zeros(1)},
+            storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True,
+        )
         with open(os.path.join(ckpt, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}, f)
         torch.save({}, os.path.join(ckpt, "common.pt"))
-        request = {"vision": {"x": ShardedObject("mimo.vision." + old.key, None, (1,), (0,))}}
+        # vision: stored under the unprefixed 0.17/0.18 name; language: the current names, but
+        # without the per-module common-state object (what every release writes unpatched).
+        request = {
+            "vision": {"x": ShardedObject("mimo.vision." + old.key, None, (1,), (0,))},
+            "language": {
+                "y": current,
+                "_mimo_common_state": ShardedObject(
+                    "mimo.language.optimizer.mimo.language.common_state", [], (1,), (0,)
+                ),
+            },
+        }
         recorder = _RecordingLoad()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fixed load warns about the old layout: expected
             serialization.load(request, ckpt, sharded_strategy=recorder, validate_access_integrity=False)
-    return recorder.keys == [old.key]
+    return sorted(recorder.keys) == sorted([old.key, current.key])
 
 
 def probe(module: types.ModuleType):
@@ -268,18 +351,19 @@ def probe(module: types.ModuleType):
     problems = _save_side_problems(module)
     reads_old = _load_reads_old_layout()
     load_gap = (
-        "dist_checkpointing.load cannot read the MIMO optimizer layout unfixed 0.17/0.18 wrote "
-        "(keys without 'mimo.<module>.', sharding type in the rank-0 common state)"
+        "dist_checkpointing.load cannot read the MIMO optimizer layouts unfixed releases wrote "
+        "(0.17/0.18: keys without 'mimo.<module>.', sharding type in the rank-0 common state; "
+        "0.17-0.19: no per-module common state)"
     )
     if problems:
         tail = "" if reads_old else f"; {load_gap}"
         return True, "MimoOptimizer checkpointing with non-colocated modules: " + "; ".join(problems) + tail
     if not reads_old:
-        return True, (
-            f"load side only: MimoOptimizer already saves every module under its own keys; {load_gap}: "
-            f"the fix reads it, with a MegatronPatchWarning"
-        )
-    return False, "MimoOptimizer keeps each module's optimizer state, sharding type and keys apart, and old checkpoints load"
+        return True, f"load side only: {load_gap}: the fix reads them, with a MegatronPatchWarning"
+    return False, (
+        "MimoOptimizer keeps each module's optimizer state, common state, sharding type and keys apart, "
+        "and old checkpoints load"
+    )
 
 
 def _leaves(x):
@@ -294,11 +378,15 @@ def _leaves(x):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    if _save_side_problems(module):  # 0.17/0.18; 0.19 saves the fixed layout itself
+    problems = _save_side_problems(module)
+    if any(not p.startswith("(e)") for p in problems):  # 0.17/0.18: write the whole layout ourselves
         patcher.replace(module.MimoOptimizer, "sharded_state_dict", sharded_state_dict)
         patcher.replace(module.MimoOptimizer, "load_state_dict", load_state_dict)
         if hasattr(module, "_get_replica_id"):
             patcher.replace_function(module, "_get_replica_id", get_replica_id)
+    elif problems:  # 0.19: upstream writes the per-module layout; add each module's common state
+        patcher.replace(module.MimoOptimizer, "sharded_state_dict", sharded_state_dict_keeping_common_state)
+        patcher.replace(module.MimoOptimizer, "load_state_dict", load_state_dict_keeping_common_state)
     if not _load_reads_old_layout():
         # replace_function: the package's ``dist_checkpointing.load`` (what megatron.training and
         # user code call) is the same function, bound by ``from .serialization import load``.

@@ -21,8 +21,8 @@ What is *not* the real thing, and why:
   inner optimizer is ``torch.optim.AdamW`` behind ``DistributedOptimizer`` (its documented fallback).
 * The optimizer state is produced by one real AdamW step on the main-parameter shards, then
   overwritten with deterministic per-rank values (and the param groups get seed-dependent lr, betas,
-  weight decay, eps and step), so a load that returns the wrong rank's or the fresh optimizer's
-  values cannot pass.
+  weight decay and eps, and a step per seed and module: :func:`saved_step`), so a load that returns
+  the wrong rank's, the other module's or the fresh optimizer's values cannot pass.
 
 A save is preceded by the same sharding validation ``dist_checkpointing.save`` runs (Megatron's own
 ``save_preprocess``), with its verdict shared by every rank: Megatron raises that error on global
@@ -32,8 +32,8 @@ A load is preceded likewise by the access validation ``dist_checkpointing.load``
 Each function returns the scenario contract's dict (a
 :class:`~mcore_ckpt_fixes.testing.result.RoundTrip` result), with ``error``/``phase`` being the
 *world's* first failure (so every rank reports what broke, and ``rank_errors`` says which rank saw
-what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` received on load) and
-``warnings`` (``MegatronPatchWarning`` texts).
+what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` received on load), ``steps``
+(each param group's optimizer step after the load) and ``warnings`` (``MegatronPatchWarning`` texts).
 """
 
 from __future__ import annotations
@@ -225,6 +225,12 @@ def _tp_key(param, tp_rank, per_rank=False):
     return tp_rank if per_rank or getattr(param, "tensor_model_parallel", False) else "replicated"
 
 
+def saved_step(seed, name):
+    """The optimizer step a module's state gets: per module (a rank that loads another module's
+    step cannot pass), the same on every rank of the module, as in training."""
+    return float(3 + (seed + 5 * MODULES.index(name)) % 17)
+
+
 def _fill_state(opt, seed, name, tp_rank):
     """One real AdamW step to allocate the state, then deterministic values everywhere."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -245,7 +251,7 @@ def _fill_state(opt, seed, name, tp_rank):
                 state = torch_opt.state[p]
                 for k, t in state.items():
                     if k == "step":
-                        state[k] = torch.tensor(float(3 + seed % 17), dtype=t.dtype)
+                        state[k] = torch.tensor(saved_step(seed, name), dtype=t.dtype)
                     else:
                         t.copy_(_values(seed, name, _tp_key(p, tp_rank, distributed), i, gi, pi, k, shape=t.shape))
 
@@ -407,6 +413,7 @@ def _round_trip():
     recorded by the RoundTrip in phase ``setup`` (the only phase set here: the steps name theirs)."""
     rt = RoundTrip(
         rank_errors=None, bad_groups=[], device="cpu", module=None, tp_rank=None, sharding_type=None, warnings=[],
+        steps=None,
     )
     rt.phase("setup")
     return rt
@@ -425,6 +432,7 @@ def _check_loaded(rt, built, sharding_type, loaded_type):
     got = _snapshot(built.opt)
     deltas, bad_groups = _compare(expected, got)
     rt["max_delta"], rt["bad_groups"], rt["n_tensors"] = deltas, bad_groups, len(deltas)
+    rt["steps"] = [g.get("step") for g in got["groups"]]  # what each param group's step loaded as
     rt["sharding_type"] = loaded_type
     problems = [f"{k}: {d}" for k, d in deltas.items() if d != 0.0] + bad_groups
     if loaded_type != (None if sharding_type == NON_DISTRIBUTED else sharding_type):
@@ -433,6 +441,22 @@ def _check_loaded(rt, built, sharding_type, loaded_type):
 
 
 # -- scenarios -----------------------------------------------------------------------------------
+
+
+def save_side_applicable():
+    """None where ``world2`` shows its bug with the fix off (0.17/0.18), else why it is not run."""
+    from ...engine.version import detect
+    from packaging.specifiers import SpecifierSet
+
+    from .scenarios import MIMO_SAVE_SIDE
+
+    version = detect().version
+    if version is not None and version not in SpecifierSet(MIMO_SAVE_SIDE, prereleases=True):
+        return (
+            f"Megatron-Core {version} writes this per-module layout itself (no fix-off failure to show "
+            f"here: only {MIMO_SAVE_SIDE}); this release's MIMO bug is torch_adam's"
+        )
+    return None
 
 
 def prepare() -> None:
@@ -481,6 +505,13 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type=
         _load_and_check(layout, rt, fresh, ckpt_dir, own)
 
     return _scenario(body, patched, device)
+
+
+def torch_adam(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """:func:`round_trip` with every module on Megatron's non-distributed optimizer over torch's
+    AdamW (``Float16OptimizerWithFloat16Params``, bf16, as Megatron builds it without TE/Apex),
+    which keeps the step shared by all parameters as plain common state: defect (e)."""
+    return round_trip(rank, world_size, ckpt_dir, patched, device, sharding_type=NON_DISTRIBUTED)
 
 
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):

@@ -1,9 +1,12 @@
 """mimo-optimizer as upstream would write it: what patches/mimo-optimizer/<release>.patch carries.
 
-The edits mirror the monkeypatch (:mod:`.patch`, :mod:`.old_layouts`) in effect: the saved layout
-becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for param groups, sharding type
-and grad scaler, replica id (tp, pp, dp), inner keys prefixed ``mimo.<module>.``), and the load
-tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18 already has all but the prefix.
+The edits mirror the monkeypatch (:mod:`.patch`, :mod:`.common_state`, :mod:`.old_layouts`) in
+effect: the saved layout becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for
+param groups, sharding type and grad scaler, replica id (tp, pp, dp), inner keys prefixed
+``mimo.<module>.``), and the load tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18
+already has all but the prefix. On 0.17, 0.18 and 0.19 each module's common state also travels in
+its own object: the marked replacement section of :mod:`.common_state` is copied verbatim to the end
+of optimizer.py and called where MimoOptimizer saves and loads each module.
 On every affected release (0.17, 0.18, 0.19) ``dist_checkpointing.load`` (serialization.py) also
 reads what unfixed 0.17/0.18 wrote: the marked replacement section of :mod:`.old_layouts` is copied
 verbatim to the end of serialization.py and called before and after the load, as the monkeypatch's
@@ -18,7 +21,7 @@ Nothing is imported from torch or Megatron here (:mod:`.old_layouts` imports nei
 from __future__ import annotations
 
 from ...sourcediff import Replace, Transform, refuse_names, replacement_section
-from . import old_layouts
+from . import common_state, old_layouts
 
 PATH = "megatron/core/models/mimo/optimizer.py"
 LOAD_PATH = "megatron/core/dist_checkpointing/serialization.py"
@@ -95,6 +98,32 @@ OPTIMIZER_EDITS = [
     ),
 ]
 
+# Defect (e), every release: each module's common state in its own object (common_state.py's
+# replacement section, appended to optimizer.py). Applied after the edits above (same anchors).
+OPTIMIZER_EDITS += [
+    (
+        ("0.17", "0.18", "0.19"),
+        "            for sub_sd, inner_opt in _iter_optimizer_sub_dicts(module_sd, info.optimizer):\n",
+        "            for sub_sd, inner_opt in _iter_optimizer_sub_dicts(module_sd, info.optimizer):\n"
+        "                _restore_common_state(sub_sd)\n",
+    ),
+    (
+        ("0.17", "0.18", "0.19"),
+        "                    _extract_grad_scaler(sub_sd, name, suffix, replica_id)\n",
+        "                    _extract_grad_scaler(sub_sd, name, suffix, replica_id)\n"
+        "                    # Last: what is still plain is the module's common state, which\n"
+        "                    # dist_checkpointing writes from global rank 0 only (another module's).\n"
+        "                    _extract_common_state(sub_sd, name, suffix, replica_id)\n",
+    ),
+]
+_COMMON_HEADER = "\n\n# Each module's common state (plain values) saved with the module (see sharded_state_dict).\n"
+
+
+def _append_common_state(text: str) -> str:
+    code = refuse_names(replacement_section(common_state), _FIX_ONLY_NAMES)
+    return text.rstrip("\n") + "\n" + _COMMON_HEADER + code.rstrip("\n") + "\n"
+
+
 # -- dist_checkpointing.load (serialization.py): reads the layout unfixed 0.17/0.18 wrote -----------
 
 # In load() only: the other entry points do not verify integrity.
@@ -128,8 +157,7 @@ def _load_edits() -> list:
         Replace(
             LOAD_PATH,
             _LOAD_END,
-            "    mimo_warning = finish_mimo_load(common_state_dict)\n"
-            "    if mimo_warning is not None:\n"
+            "    for mimo_warning in finish_mimo_load(common_state_dict):\n"
             "        warnings.warn(mimo_warning)\n" + _LOAD_END,
         ),
         Transform(LOAD_PATH, _append_section),
@@ -137,7 +165,8 @@ def _load_edits() -> list:
 
 
 def source_edits(release: str) -> list:
-    """The edits for ``release``: MimoOptimizer's on 0.17/0.18, the load side on every affected line."""
+    """The edits for ``release``: MimoOptimizer's (the layout on 0.17/0.18, each module's common state
+    on every affected line) and the load side on every affected line."""
     series = ".".join(release.split(".")[:2])
     optimizer = [Replace(PATH, old, new) for releases, old, new in OPTIMIZER_EDITS if series in releases]
-    return optimizer + _load_edits()
+    return optimizer + [Transform(PATH, _append_common_state)] + _load_edits()
