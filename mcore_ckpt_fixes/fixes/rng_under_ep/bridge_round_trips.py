@@ -34,18 +34,15 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import random
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
 from ...testing.result import RoundTrip
 from ...testing.states import fix_states
 from . import ID as FIX_ID
-from .round_trips import CudaRngStandIn, deltas, snapshot
+from .round_trips import CudaRngStandIn, _model_tensors, _scramble, compare_exact, consume_streams, snapshot
 
 MODULE = "megatron.bridge.training.checkpointing"
 EP = 2
@@ -146,17 +143,7 @@ def _seed_and_consume(state, stand_in, seed):
             seed + 100 * get_pg_rank(pgs.pp),
             tp_rank=get_pg_rank(pgs.tp), ep_rank=get_pg_rank(pgs.ep), etp_rank=get_pg_rank(pgs.expt_tp),
         )
-    draws = 1 + dist.get_rank() + (seed % 7)
-    for _ in range(draws):
-        random.random()
-        np.random.rand()
-        torch.rand(1)
-        stand_in.draw(1)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    for name in sorted(tracker.get_states()):
-        with tracker.fork(name):
-            for _ in range(draws):
-                stand_in.draw(1)
+    consume_streams(stand_in, seed)
 
 
 def _layout(state):
@@ -171,10 +158,6 @@ def _layout(state):
     if isinstance(obj, dict):  # fsdp_dtensor: a plain dict, keyed by its layout
         return sorted(obj)
     return list(obj.global_shape), list(obj.global_offset), obj.replica_id
-
-
-def _model_tensors(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def _round_trip():
@@ -246,19 +229,9 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, ckpt_format="fsdp_dtenso
         state, model = _setup(ckpt_dir, ckpt_format)
         saved = _save(state, model, stand_in, rt, patched)
         saved_model = _model_tensors(model)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+        _scramble(model)
         _, loaded = _load(state, model, stand_in, rt)
-        rt.phase("compare")
-        after_model = _model_tensors(model)
-        rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
-        rt["saved"], rt["loaded"] = saved, loaded
-        rt["n_tensors"] = len(saved)
-        rt["max_delta"] = deltas(saved, loaded)
-        bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
-        assert not bad, f"RNG states differ after load: {sorted(bad)}"
-        assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"
+        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
     _teardown()
     return rt.result
 

@@ -41,7 +41,7 @@ from . import ID
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .patch import _Delegate, _ProbeMpu, _is_rng_object
+from .patch import _Delegate, _ProbeMpu, _is_rng_object, torch_dist_verdict
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 FSDP_MODULE = "swift.megatron.utils.megatron_fsdp_checkpoint"
@@ -192,17 +192,8 @@ def _probe_once(module, dp_rank):
 def probe(module: types.ModuleType):
     if not hasattr(module, "_get_rng_state") or not hasattr(module, "dist_checkpointing"):
         return None, f"{MODULE} has no _get_rng_state / dist_checkpointing"
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
-
-    first, second = _probe_once(module, 0), _probe_once(module, 1)
-    if not (isinstance(first, ShardedObject) and isinstance(second, ShardedObject)):
-        return None, "ms-swift's _get_rng_state(fsdp_dtensor=False) no longer returns a ShardedObject"
-    if first.unique_key != second.unique_key and is_main_replica(second.replica_id):
-        return False, "ms-swift's _get_rng_state gives every data-parallel rank its own torch_dist RNG shard"
-    return True, (
-        f"ms-swift's _get_rng_state keys the torch_dist RNG state by (pp, tp) only: data-parallel ranks "
-        f"0 and 1 both address {first.unique_key} and rank 1 is a replica (replica_id={second.replica_id}), "
-        f"so EP ranks > 0 resume on another rank's RNG streams"
+    return torch_dist_verdict(
+        _probe_once(module, 0), _probe_once(module, 1), "ms-swift's _get_rng_state", "ms-swift's _get_rng_state(fsdp_dtensor=False)"
     )
 
 

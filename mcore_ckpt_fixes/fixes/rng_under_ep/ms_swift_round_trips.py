@@ -44,19 +44,16 @@ import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
-import random
 import sys
 import types
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
 from ...testing.states import fix_states
 from . import ID as FIX_ID
-from .round_trips import EP, FRESH_SEED, SEED, CudaRngStandIn, _model_tensors, _round_trip, _scramble, _teardown, deltas, snapshot
+from .round_trips import EP, FRESH_SEED, SEED, CudaRngStandIn, _model_tensors, compare_exact, consume_streams, _round_trip, _scramble, _teardown, snapshot
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 
@@ -207,17 +204,7 @@ def _seed_and_consume(m, args, stand_in, seed):
         if args.data_parallel_random_init:
             rank_seed += 11 * mpu.get_data_parallel_rank()
         tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
-    draws = 1 + dist.get_rank() + (seed % 7)
-    for _ in range(draws):
-        random.random()
-        np.random.rand()
-        torch.rand(1)
-        stand_in.draw(1)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    for name in sorted(tracker.get_states()):
-        with tracker.fork(name):
-            for _ in range(draws):
-                stand_in.draw(1)
+    consume_streams(stand_in, seed)
 
 
 def _saved_layout(m, args):
@@ -268,15 +255,7 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data
         saved_model = _model_tensors(model)
         _scramble(model)
         _, loaded = _load(m, args, model, stand_in, rt)
-        rt.phase("compare")
-        after_model = _model_tensors(model)
-        rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
-        rt["saved"], rt["loaded"] = saved, loaded
-        rt["n_tensors"] = len(saved)
-        rt["max_delta"] = deltas(saved, loaded)
-        bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
-        assert not bad, f"RNG states differ after load: {sorted(bad)}"
-        assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"
+        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
     _teardown()
     return rt.result
 

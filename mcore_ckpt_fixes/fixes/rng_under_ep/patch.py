@@ -217,15 +217,21 @@ def _probe_once(module, dp_rank):
 def probe(module: types.ModuleType):
     if not hasattr(module, "get_rng_state") or not hasattr(module, "_load_global_dist_base_checkpoint"):
         return None, f"{MODULE} has no get_rng_state / _load_global_dist_base_checkpoint"
+    return torch_dist_verdict(_probe_once(module, 0), _probe_once(module, 1), "get_rng_state", "get_rng_state('torch_dist', ...)")
+
+
+def torch_dist_verdict(first, second, who, call):
+    """The probe's verdict from what ``who`` (Megatron's get_rng_state or a framework's copy, called as
+    ``call``) returned for data-parallel ranks 0 and 1 of one (pp, tp): the same shard with rank 1 a
+    replica is the bug."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
 
-    first, second = _probe_once(module, 0), _probe_once(module, 1)
     if not (isinstance(first, ShardedObject) and isinstance(second, ShardedObject)):
-        return None, "get_rng_state('torch_dist', ...) no longer returns a ShardedObject"
+        return None, f"{call} no longer returns a ShardedObject"
     if first.unique_key != second.unique_key and is_main_replica(second.replica_id):
-        return False, "get_rng_state gives every data-parallel rank its own torch_dist RNG shard"
+        return False, f"{who} gives every data-parallel rank its own torch_dist RNG shard"
     return True, (
-        f"get_rng_state keys the torch_dist RNG state by (pp, tp) only: data-parallel ranks 0 and 1 "
+        f"{who} keys the torch_dist RNG state by (pp, tp) only: data-parallel ranks 0 and 1 "
         f"both address {first.unique_key} and rank 1 is a replica (replica_id={second.replica_id}), "
         f"so EP ranks > 0 resume on another rank's RNG streams"
     )

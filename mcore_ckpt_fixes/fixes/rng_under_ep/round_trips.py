@@ -221,6 +221,14 @@ def _seed_and_consume(args, stand_in, seed):
         if args.data_parallel_random_init:
             rank_seed += 10 * mpu.get_data_parallel_rank()
         tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
+    consume_streams(stand_in, seed)
+
+
+def consume_streams(stand_in, seed):
+    """Rank-dependent draws from every generator (Python, NumPy, torch CPU, the CUDA stand-in) and
+    every tracker stream, so that no two ranks hold the same RNG state when they save."""
+    from megatron.core import tensor_parallel
+
     draws = 1 + dist.get_rank() + (seed % 7)
     for _ in range(draws):
         random.random()
@@ -369,18 +377,22 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
         saved_model = _model_tensors(model)
         _scramble(model)
         _, loaded = _load(args, model, stand_in, rt)
-        rt.phase("compare")
-        after_model = _model_tensors(model)
-        rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
-        rt["saved"], rt["loaded"] = saved, loaded
-        rt["n_tensors"] = len(saved)
-        # RNG states are not all tensors (Python's and NumPy's are tuples): compared with delta().
-        rt["max_delta"] = deltas(saved, loaded)
-        bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
-        assert not bad, f"RNG states differ after load: {sorted(bad)}"
-        assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"
+        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
     _teardown()
     return rt.result
+
+
+def compare_exact(rt, saved, loaded, saved_model, after_model):
+    """Record and assert: every RNG component and every model tensor back exactly as saved."""
+    rt.phase("compare")
+    rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
+    rt["saved"], rt["loaded"] = saved, loaded
+    rt["n_tensors"] = len(saved)
+    # RNG states are not all tensors (Python's and NumPy's are tuples): compared with delta().
+    rt["max_delta"] = deltas(saved, loaded)
+    bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
+    assert not bad, f"RNG states differ after load: {sorted(bad)}"
+    assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"
 
 
 def ep2_fsdp_dtensor(rank, world_size, ckpt_dir, patched, device="cpu"):

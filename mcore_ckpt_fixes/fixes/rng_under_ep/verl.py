@@ -39,7 +39,7 @@ from ...engine.patching import Patcher, mark, original
 from . import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .patch import _Delegate, _ProbeMpu
+from .patch import _Delegate, _ProbeMpu, torch_dist_verdict
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 CLASS = "MegatronCheckpointManager"
@@ -231,19 +231,11 @@ def probe(module: types.ModuleType):
     needed = ("get_rng_state", "load_rng_states", "_load_megatron_fsdp_checkpoint")
     if cls is None or not all(hasattr(cls, n) for n in needed) or not hasattr(module, "load_dist_checkpointing"):
         return None, f"{MODULE} has no {CLASS}.get_rng_state / load_rng_states / load_dist_checkpointing"
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
-
-    first, second = _probe_once(module, cls, 0), _probe_once(module, cls, 1)
-    if not (isinstance(first, ShardedObject) and isinstance(second, ShardedObject)):
-        return None, f"{CLASS}.get_rng_state(use_dist_ckpt=True) no longer returns a ShardedObject"
-    if first.unique_key != second.unique_key and is_main_replica(second.replica_id):
-        return False, f"verl's {CLASS}.get_rng_state gives every data-parallel rank its own torch_dist RNG shard"
-    return True, (
-        f"verl's {CLASS}.get_rng_state keys the torch_dist RNG state by (pp, tp) only: data-parallel "
-        f"ranks 0 and 1 both address {first.unique_key} and rank 1 is a replica "
-        f"(replica_id={second.replica_id}), so EP ranks > 0 resume on another rank's RNG streams "
-        f"(its Megatron-FSDP entry is keyed by (pp, tp) too)"
+    verdict, why = torch_dist_verdict(
+        _probe_once(module, cls, 0), _probe_once(module, cls, 1),
+        f"verl's {CLASS}.get_rng_state", f"{CLASS}.get_rng_state(use_dist_ckpt=True)",
     )
+    return verdict, (f"{why} (its Megatron-FSDP entry is keyed by (pp, tp) too)" if verdict else why)
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:

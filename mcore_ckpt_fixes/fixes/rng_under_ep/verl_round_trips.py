@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ...testing.result import RoundTrip
 from ...testing.states import fix_states
 from . import ID as FIX_ID
-from .round_trips import CudaRngStandIn, deltas
+from .round_trips import CudaRngStandIn, consume_streams, deltas
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 EP = 2
@@ -180,17 +180,7 @@ def _seed_and_consume(stand_in, seed):
     np.random.seed(seed)
     random.seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    draws = 1 + dist.get_rank() + (seed % 7)
-    for _ in range(draws):
-        random.random()
-        np.random.rand()
-        torch.rand(1)
-        stand_in.draw(1)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    for name in sorted(tracker.get_states()):
-        with tracker.fork(name):
-            for _ in range(draws):
-                stand_in.draw(1)
+    consume_streams(stand_in, seed)
 
 
 def snapshot():
