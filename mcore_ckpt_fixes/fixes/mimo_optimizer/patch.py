@@ -20,6 +20,7 @@ from ...engine.patching import Patcher, mark, original
 from ...engine.probing import Group
 from . import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
+from ...dcp_metadata import install as share_metadata_reads, shared_metadata
 from .old_layouts import _mimo_sharded_leaves, align_mimo_optimizer_request
 
 # Where each plain value travels in the 0.18+/0.19 layout: sub-dict key -> ShardedObject name.
@@ -201,11 +202,13 @@ def load(*args, **kwargs):
         bound = inspect.signature(func).bind(*args, **kwargs)
     except TypeError:
         return func(*args, **kwargs)  # let the original raise its own error
-    request, finish = align_mimo_optimizer_request(
-        bound.arguments["sharded_state_dict"], bound.arguments["checkpoint_dir"]
-    )
-    bound.arguments["sharded_state_dict"] = request
-    result = func(*bound.args, **bound.kwargs)
+    # One .metadata read for the decision and the load together (mcore_ckpt_fixes.dcp_metadata).
+    with shared_metadata():
+        request, finish = align_mimo_optimizer_request(
+            bound.arguments["sharded_state_dict"], bound.arguments["checkpoint_dir"]
+        )
+        bound.arguments["sharded_state_dict"] = request
+        result = func(*bound.args, **bound.kwargs)
     for text in finish(result[0] if isinstance(result, tuple) else result):
         warnings.warn(f"mcore_ckpt_fixes: {ID}: {text}", MegatronPatchWarning, stacklevel=2)
     return result
@@ -391,4 +394,6 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
         # replace_function: the package's ``dist_checkpointing.load`` (what megatron.training and
         # user code call) is the same function, bound by ``from .serialization import load``.
         patcher.replace_function(importlib.import_module(LOAD_MODULE), "load", load)
+        # Its decision reads the checkpoint's metadata: shared with the load's own read.
+        share_metadata_reads(patcher)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import sys
 import types
 
+from ...dcp_metadata import install as share_metadata_reads, shared_metadata
 from ...engine.patching import Patcher, mark, original
 from ...engine.probing import Group
 from . import ID
@@ -69,6 +70,13 @@ def _stored_keys(module, checkpoint_name):
 
 @mark(ID)
 def load_fsdp_dtensor_checkpoint(*args, **kwargs):
+    """See :func:`_load_fsdp_dtensor_checkpoint`; one ``.metadata`` read for its decision and the load together
+    (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
+    with shared_metadata():
+        return _load_fsdp_dtensor_checkpoint(*args, **kwargs)
+
+
+def _load_fsdp_dtensor_checkpoint(*args, **kwargs):
     """Bridge's ``load_fsdp_dtensor_checkpoint``: ask for this rank's own RNG entry where the
     checkpoint has one, and hand ``load_checkpoint`` that entry under the key it reads."""
     func = original(MODULE, "load_fsdp_dtensor_checkpoint")
@@ -148,6 +156,7 @@ def probe(module: types.ModuleType):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    share_metadata_reads(patcher)  # the load side reads the metadata: shared with the load's own read
     # replace_function: `from megatron.bridge.training.checkpointing import get_rng_state` elsewhere
     # (Bridge's own modules, user training loops) is rebound as well.
     patcher.replace_function(module, "get_rng_state", get_rng_state)

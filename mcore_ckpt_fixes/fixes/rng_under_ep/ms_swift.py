@@ -36,6 +36,7 @@ import sys
 import types
 import warnings
 
+from ...dcp_metadata import install as share_metadata_reads, shared_metadata
 from ...engine.patching import Patcher, mark, original
 from . import ID
 from . import fsdp_dtensor
@@ -83,6 +84,13 @@ def get_rng_state(*args, **kwargs):
 
 @mark(ID)
 def dist_checkpointing_load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+    """See :func:`_dist_checkpointing_load`; one ``.metadata`` read for its decision and the load together
+    (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
+    with shared_metadata():
+        return _dist_checkpointing_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+
+def _dist_checkpointing_load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
     """``megatron.core.dist_checkpointing.load`` as ``load_mcore_checkpoint`` calls it, asking for
     the RNG shard in the layout the checkpoint has."""
     from megatron.core import dist_checkpointing
@@ -198,6 +206,7 @@ def probe(module: types.ModuleType):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    share_metadata_reads(patcher)  # the load side reads the metadata: shared with the load's own read
     patcher.replace_function(module, "_get_rng_state", get_rng_state)
     # Namespace-local: only load_mcore_checkpoint (and save_mcore_checkpoint, unchanged) use it.
     patcher.replace(module, "dist_checkpointing", DIST_CHECKPOINTING)

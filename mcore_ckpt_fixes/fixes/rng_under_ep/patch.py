@@ -11,6 +11,7 @@ import inspect
 import sys
 import types
 
+from ...dcp_metadata import install as share_metadata_reads, shared_metadata
 from ...engine.patching import Patcher, mark, original
 from ...engine.probing import Group
 from . import ID, MODULE
@@ -97,6 +98,14 @@ def load_global_dist_base_checkpoint(*args, **kwargs):
     template = sharded.get("rng_state") if isinstance(sharded, dict) else None
     if params.get("rank0") or template is None or not _is_rng_object(template) or len(template.global_shape) != 3:
         return func(*args, **kwargs)
+    # One .metadata read per rank for the decision and the load together (dcp_metadata).
+    with shared_metadata():
+        return _load_aligned(func, bound, template)
+
+
+def _load_aligned(func, bound, template):
+    params = bound.arguments
+    sharded = params["sharded_state_dict"]
     module = sys.modules[MODULE]
     checkpoint_dir = module.get_checkpoint_name(
         params["load_dir"], params["iteration"], params["release"], return_base_dir=True
@@ -107,9 +116,9 @@ def load_global_dist_base_checkpoint(*args, **kwargs):
 
         from ...engine.errors import MegatronPatchWarning
 
-        warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
+        warnings.warn(warning, MegatronPatchWarning, stacklevel=3)
     if request is template:
-        return func(*args, **kwargs)
+        return func(*bound.args, **bound.kwargs)
     sharded = dict(sharded)  # the caller's dict stays as it built it
     if request is None:
         del sharded["rng_state"]
@@ -244,6 +253,8 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace_function(module, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)
     if hasattr(module, "_load_base_checkpoint"):
         patcher.replace_function(module, "_load_base_checkpoint", load_base_checkpoint)
+    # The load side reads the checkpoint's metadata: shared with the load's own read.
+    share_metadata_reads(patcher)
     if hasattr(module, "default_planner"):
         # Namespace-local: only load_checkpoint's fsdp_dtensor branch plans through it.
         # Read through the module: revert points globals that hold a replacement back at the

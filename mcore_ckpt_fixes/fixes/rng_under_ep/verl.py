@@ -35,6 +35,7 @@ import dataclasses
 import sys
 import types
 
+from ...dcp_metadata import install as share_metadata_reads, shared_metadata
 from ...engine.patching import Patcher, mark, original
 from . import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -109,6 +110,13 @@ def get_rng_state(self, *args, **kwargs):
 
 @mark(ID)
 def load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
+    """See :func:`_load_dist_checkpointing`; one ``.metadata`` read for its decision and the load together
+    (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
+    with shared_metadata():
+        return _load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs)
+
+
+def _load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
     """``load_dist_checkpointing`` as verl's checkpoint manager calls it: the RNG shard requested in
     the layout the checkpoint has; every other load passes through unchanged."""
     func = original(_module(), "load_dist_checkpointing")
@@ -156,6 +164,13 @@ def _stored_keys(checkpoint_dir):
 
 @mark(ID)
 def load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
+    """See :func:`_load_megatron_fsdp_checkpoint`; one ``.metadata`` read for its decision and the load together
+    (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
+    with shared_metadata():
+        return _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs)
+
+
+def _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
     """``MegatronCheckpointManager._load_megatron_fsdp_checkpoint``, its RNG template built knowing
     which entries the checkpoint holds."""
     func = original(_manager(), "_load_megatron_fsdp_checkpoint")
@@ -239,6 +254,7 @@ def probe(module: types.ModuleType):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    share_metadata_reads(patcher)  # the load side reads the metadata: shared with the load's own read
     cls = getattr(module, CLASS)
     patcher.replace(cls, "get_rng_state", get_rng_state)
     patcher.replace(cls, "load_rng_states", load_rng_states)
