@@ -35,7 +35,7 @@ import sys
 
 import pytest
 
-from conftest import import_framework
+from framework_import import import_framework
 from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 

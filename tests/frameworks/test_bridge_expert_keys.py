@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import import_framework
+from framework_import import import_framework
 from mcore_ckpt_fixes.fixes.expert_keys import BRIDGE, FIX, MODULE
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing.registry import for_fix

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from conftest import import_framework
+from framework_import import import_framework
 
 
 def test_megatron_core_and_training_use_their_own_copy():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import types
 
-from conftest import import_framework
+from framework_import import import_framework
 
 from mcore_ckpt_fixes.fixes.expert_keys import NEMO
 

@@ -39,7 +39,7 @@ import sys
 
 import pytest
 
-from conftest import import_framework
+from framework_import import import_framework
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

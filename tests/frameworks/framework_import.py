@@ -1,4 +1,4 @@
-"""Tests of frameworks that call Megatron-Core (Megatron-Bridge, verl, ms-swift), each run with the
+"""Importing a framework under test (Megatron-Bridge, verl, ms-swift, ...), each run with the
 framework really installed: ``tools/test.sh fw-<name>`` builds its environment from
 ``tools/frameworks/<name>.txt`` and runs this directory with ``MCORE_CKPT_FIXES_FRAMEWORK=<name>``.
 
