@@ -7,9 +7,13 @@ files of the right length (the doctor only stats them). Bytes read come from ``/
 ``inspect()`` after the doctor is imported, in a fresh interpreter per run so that its peak RSS
 (``VmHWM``) is the doctor's own, not the builder's. Reported at 100k and 1M chunks: time, bytes
 read (goal: at most 1.1 x the metadata size) and peak RSS (issue #22's goals at 1M: under 3 s, under
-1 GB; measured before it: 5.2 s, 1.78 GB).
+1 GB; measured before it: 5.2 s, 1.78 GB; with the allow-list unpickler: 6.37 s, 1607 MiB; with the
+stream reader dcp_scan: 2.31 s, 277 MiB). ``--local-plans`` adds every rank's SavePlan as Megatron-Core's
+torch_dist save keeps it (``all_local_plans``, about twice the bytes): 1M chunks 20.7 s / 3846 MiB
+before, 3.81 s / 439 MiB with dcp_scan. Run it from outside the repository (``cd /tmp``) to measure
+another checkout through PYTHONPATH: ``python -c`` puts the working directory first on sys.path.
 
-    PYTHONPATH=$ENVS/mcore-0.19.2:. $ENVS/py3.12/bin/python benchmarks/doctor_inspect.py [--chunks 100000 1000000]
+    PYTHONPATH=$ENVS/mcore-0.19.2:. $ENVS/py3.12/bin/python benchmarks/doctor_inspect.py [--chunks 100000 1000000] [--local-plans]
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import sys
 import tempfile
 
 
-def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64) -> int:
+def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64, local_plans: bool = False) -> int:
+    """``local_plans``: also every rank's SavePlan in ``all_local_plans``, as Megatron-Core's torch_dist
+    save keeps them (0.19.2 ``save_state_dict_async_plan``): a WriteItem per chunk, about twice the bytes."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -44,8 +50,11 @@ def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64) -> 
                 ends[rel] = start + 128
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows * 4, cols * 8]), chunks)
     os.makedirs(ckdir, exist_ok=True)
+    md = Metadata(state_dict_metadata=sdm, storage_data=storage)
+    if local_plans:
+        md.all_local_plans = _local_plans(sdm, ranks)
     with open(os.path.join(ckdir, ".metadata"), "wb") as f:
-        pickle.dump(Metadata(state_dict_metadata=sdm, storage_data=storage), f)
+        pickle.dump(md, f)
     with open(os.path.join(ckdir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     # The common state as dist_checkpointing writes it up to 0.18: the doctor walks its pickle record.
@@ -56,6 +65,21 @@ def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64) -> 
         with open(os.path.join(ckdir, rel), "wb") as f:
             f.truncate(end)  # sparse: right length, no data written
     return sum(len(m.chunks) for m in sdm.values())
+
+
+def _local_plans(sdm, ranks):
+    """Each rank's SavePlan as rank 0 gathered it (gather_object: a copy of every other rank's plan;
+    rank 0's own items share the index's chunk objects, as create_global_plan took them from it)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    items = [[] for _ in range(ranks)]
+    for fqn, meta in sdm.items():
+        for k, c in enumerate(meta.chunks):
+            items[k % ranks].append(WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                                              tensor_data=TensorWriteData(chunk=c, properties=meta.properties,
+                                                                          size=meta.size)))
+    return [SavePlan(it) if r == 0 else pickle.loads(pickle.dumps(SavePlan(it))) for r, it in enumerate(items)]
 
 
 _CHILD = """
@@ -93,18 +117,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--local-plans", action="store_true",
+                    help="also write all_local_plans (every rank's SavePlan), as Megatron-Core's torch_dist save does")
     ns = ap.parse_args()
     failed = False
     for n_wanted in ns.chunks:
         with tempfile.TemporaryDirectory() as tmp:
             ckdir = os.path.join(tmp, "iter_0000001")
-            n = build(ckdir, n_wanted)
+            n = build(ckdir, n_wanted, local_plans=ns.local_plans)
             with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("1")
             md_size = os.path.getsize(os.path.join(ckdir, ".metadata"))
             m = measure(tmp, ns.runs)
         ratio = m["bytes_read_max"] / md_size
-        print(json.dumps({"chunks": n, "metadata_bytes": md_size, **m, "read_ratio": round(ratio, 4),
+        print(json.dumps({"chunks": n, "local_plans": ns.local_plans, "metadata_bytes": md_size, **m,
+                          "read_ratio": round(ratio, 4),
                           "python": sys.version.split()[0]}, indent=2))
         ok = m["ok"] and m["chunks_seen"] == n and ratio <= 1.1
         print(f"doctor_inspect: {n} chunks in {m['seconds_median']:.2f} s, read {m['bytes_read_max']} bytes = "

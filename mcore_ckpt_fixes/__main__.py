@@ -75,6 +75,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_insp.add_argument("--ep", type=_positive_int, help="expert model parallel size of the run")
     p_insp.add_argument("--iteration", type=_non_negative_int, help="inspect iter_N instead of the tracker's")
     p_insp.add_argument("--json", action="store_true", help="print one JSON object (the contract for tools)")
+    p_insp.add_argument(
+        "--verify-hashes", action="store_true",
+        help="also compare the sha256 digests of Megatron-Core's integrity manifest (integrity.json): reads every "
+        "byte of every listed file (without it the doctor reads metadata only)",
+    )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -95,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "inspect":
         from .cli.inspect import run as run_inspect
 
-        return run_inspect(args.checkpoint, args.tp, args.pp, args.ep, args.iteration, as_json=args.json)
+        return run_inspect(args.checkpoint, args.tp, args.pp, args.ep, args.iteration, as_json=args.json,
+                           verify_hashes=args.verify_hashes)
     return 2
 
 

@@ -8,12 +8,12 @@ from typing import Optional
 
 
 def run(path: str, tp: Optional[int], pp: Optional[int], ep: Optional[int], iteration: Optional[int],
-        as_json: bool) -> int:
+        as_json: bool, verify_hashes: bool = False) -> int:
     from mcore_ckpt_fixes.doctor import Unreadable, inspect
     from mcore_ckpt_fixes.doctor.remedies import for_code
 
     try:
-        report = inspect(path, tp=tp, pp=pp, ep=ep, iteration=iteration)
+        report = inspect(path, tp=tp, pp=pp, ep=ep, iteration=iteration, verify_hashes=verify_hashes)
     except Unreadable as exc:
         line = f"mcore-ckpt-fixes inspect: {exc}"
         if as_json:  # tools still get an object on stdout

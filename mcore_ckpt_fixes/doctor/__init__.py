@@ -36,10 +36,10 @@ def shard_dir(root: str, iteration: Optional[int], tp_rank: int, pp_rank: int = 
 
 
 def diagnose(root: str, iteration: Optional[int] = None, *, tp: Optional[int] = None, pp: Optional[int] = None,
-             ep: Optional[int] = None) -> Report:
+             ep: Optional[int] = None, verify_hashes: bool = False) -> Report:
     """As :func:`inspect`, but an unreadable input is a problem with code ``unreadable`` in the report."""
     try:
-        return inspect(root, tp=tp, pp=pp, ep=ep, iteration=iteration)
+        return inspect(root, tp=tp, pp=pp, ep=ep, iteration=iteration, verify_hashes=verify_hashes)
     except Unreadable as exc:
         report = Report(os.path.abspath(root))
         report.problem("unreadable", str(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import dcp, legacy, remedies, tracker
+from . import dcp, integrity, legacy, remedies, tracker
 from .report import Report, Unreadable
 
 
@@ -25,10 +25,14 @@ def _is_checkpoint_dir(names) -> bool:
 
 
 def inspect(path: str, *, tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None,
-            iteration: Optional[int] = None, _fallback: bool = True) -> Report:
+            iteration: Optional[int] = None, verify_hashes: bool = False, _fallback: bool = True) -> Report:
     """Inspect the checkpoint at ``path`` (its root, or one ``iter_*`` directory) for a run with the given
-    sizes (None: not given). Raises :class:`Unreadable` when there is nothing readable to inspect."""
-    report = _inspect(path, tp, pp, ep, iteration)
+    sizes (None: not given). Raises :class:`Unreadable` when there is nothing readable to inspect.
+
+    ``verify_hashes``: compare the digests of Megatron-Core's integrity manifest (``integrity.json``)
+    with the files, which reads every byte of every listed file (tensor payloads included); by default
+    the manifest is checked from metadata only (see integrity)."""
+    report = _inspect(path, tp, pp, ep, iteration, verify_hashes)
     if _fallback and any(p["code"] in remedies.UNLOADABLE for p in report.problems):
         _name_intact_iteration(report, tp, pp, ep)
     return report
@@ -60,7 +64,7 @@ def _name_intact_iteration(report: Report, tp, pp, ep) -> None:
     remedies.add_fallback(report, root, broken, intact, len(tried))
 
 
-def _inspect(path: str, tp, pp, ep, iteration) -> Report:
+def _inspect(path: str, tp, pp, ep, iteration, verify_hashes: bool = False) -> Report:
     run = {"tp": tp, "pp": pp, "ep": ep}
     path = os.path.abspath(path)
     report = Report(path)
@@ -90,6 +94,7 @@ def _inspect(path: str, tp, pp, ep, iteration) -> Report:
     else:
         report.problem("empty-iteration", f"{ckdir} holds no mp_rank_* directories and no distributed checkpoint "
                                           "files (.metadata, .distcp, metadata.json)")
+    integrity.check(report, ckdir, ck_names, verify_hashes)
     return report
 
 

@@ -10,6 +10,7 @@ regular grid of n chunks costs O(n log n) whatever its shape.
 from __future__ import annotations
 
 from math import prod
+from operator import itemgetter
 from typing import List, Sequence, Tuple
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
@@ -24,6 +25,8 @@ def check(shape: Sequence[int], chunks: Sequence[Box]) -> List[Tuple[str, str]]:
     """``[(kind, detail)]`` with kind in gap, overlap, out-of-bounds, bad-chunk; empty when exact."""
     shape = tuple(int(s) for s in shape)
     nd = len(shape)
+    if nd and _is_grid(shape, chunks):
+        return []
     findings: List[Tuple[str, str]] = []
     boxes: List[Box] = []
     for off, size in chunks:
@@ -51,6 +54,37 @@ def check(shape: Sequence[int], chunks: Sequence[Box]) -> List[Tuple[str, str]]:
         return findings
     _sweep(boxes, 0, shape, [], findings)
     return findings[: MAX_FINDINGS + 1]
+
+
+def _is_grid(shape, chunks) -> bool:
+    """Exact cover by a regular grid, the layout of every TP/EP/DP split, decided with C loops only:
+    along each dimension the distinct (offset, size) pairs tile it end to end (so an offset fixes
+    the size), and the chunks' offset tuples are distinct and as many as the grid's cells (so they
+    are the grid's cells, each once). Anything else (and any error) is left to the sweep."""
+    try:
+        n = len(chunks)
+        if n == 0:
+            return False
+        offs = list(map(itemgetter(0), chunks))
+        sizes = list(map(itemgetter(1), chunks))
+        if set(map(len, offs)) != {len(shape)} or set(map(len, sizes)) != {len(shape)}:
+            return False
+        if len(set(offs)) != n:
+            return False
+        cells = 1
+        for d, dim in enumerate(shape):
+            pos = 0
+            pairs = sorted(set(zip(map(itemgetter(d), offs), map(itemgetter(d), sizes))))
+            for o, s in pairs:
+                if o != pos or s <= 0 or type(o) is not int or type(s) is not int:
+                    return False
+                pos = o + s
+            if pos != dim:
+                return False
+            cells *= len(pairs)
+        return cells == n
+    except (TypeError, ValueError, IndexError):
+        return False
 
 
 def _sweep(boxes: List[Box], d: int, shape, prefix, findings) -> None:

@@ -48,12 +48,16 @@ BY_CODE = {
     "index-meaning-mismatch": "run with the saved sizes, or convert the checkpoint to torch_dist to change them",
     "size-mismatch": "run with the saved sizes, or convert the checkpoint to torch_dist (resharded on load)",
     "missing-files": f"{RESTORE}: every rank opens its own files",
+    "integrity-mismatch": f"{RESTORE}: the files no longer match the integrity manifest the save wrote "
+                          "(integrity.json); check a copy with `inspect --verify-hashes` before trusting it",
+    "integrity-unlisted": "if the file is not yours, restore the iteration from a copy; if it is, re-save so that "
+                          "integrity.json covers it (or remove it)",
     "unreadable": "give a checkpoint root (with its tracker) or an iter_* directory",
 }
 # Findings that make the inspected iteration unloadable: an earlier intact one is worth naming.
 UNLOADABLE = {"unsafe-pickle", "damaged-file", "unreadable-file", "data-files", "incomplete-save",
               "missing-metadata-json", "metadata-json-unreadable", "chunk-coverage", "common-state-missing",
-              "missing-files", "empty-iteration"}
+              "missing-files", "empty-iteration", "integrity-mismatch"}
 
 
 def for_code(code: str) -> Optional[str]:

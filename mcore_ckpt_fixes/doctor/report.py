@@ -88,6 +88,8 @@ class Report:
             if "readable_by" in d:
                 rb = ", ".join(d["readable_by"]) or "none"
                 lines.append(f"readable by Megatron-Core: {rb} ({d.get('readable_by_reason', '')})")
+        if d.get("integrity"):
+            lines.append(f"integrity:  {d['integrity']['file']}: {d['integrity'].get('summary', '')}")
         for n in self.notes:
             lines.append(f"note: {n}")
         if self.problems:

@@ -4,7 +4,8 @@
   (EP=2 as Megatron lays it out: a TP-split weight, a replicated norm, each rank's experts under their
   global index (SequentialMLP's ``local_experts.{g}``), a grouped expert tensor with an expert axis,
   the RNG ShardedObject exactly as ``get_rng_state`` builds it for torch_dist: shape (pp, tp),
-  replica id = data-parallel rank).
+  replica id = data-parallel rank). With ``integrity``, saved with ``verify_integrity=True``: the
+  release writes its integrity manifest ``integrity.json`` (0.17.1 and later).
 * fsdp_dtensor-style DCP: ``torch.distributed.checkpoint.save`` on 2 gloo ranks of a state dict keyed
   the way ``preprocess_fsdp_dtensor_state_dict`` leaves it (``weight{g}`` / ``bias{g}`` expert keys,
   ``rng_state`` keyed ``'(pp, tp)'``, a DTensor sharded over the ranks). With ``local_bias_index``
@@ -31,7 +32,7 @@ def _write_tracker(root, text):
         f.write(text)
 
 
-def save_torch_dist(rank, world, root, iteration=10):
+def save_torch_dist(rank, world, root, iteration=10, integrity=False):
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -61,7 +62,8 @@ def save_torch_dist(rank, world, root, iteration=10):
         for param in ("linear_fc1.weight", "linear_fc2.weight"):
             key = f"decoder.layers.0.mlp.experts.local_experts.{g}.{param}"
             sd[key] = ShardedTensor.from_rank_offsets(key, torch.randn(4, 4), replica_id=0)
-    dist_checkpointing.save(sd, ckdir)
+    # integrity: Megatron's own integrity manifest (integrity.json, verify_integrity=True: 0.17.1+).
+    dist_checkpointing.save(sd, ckdir, **({"verify_integrity": True} if integrity else {}))
     dist.barrier()
     if rank == 0:
         _write_tracker(root, str(iteration))
