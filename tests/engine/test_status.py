@@ -50,8 +50,12 @@ def test_disabled_flag_and_text_output():
     assert proc.returncode == 0
     head, *lines = proc.stdout.strip().splitlines()
     assert head.startswith("mcore-ckpt-fixes ") and "Megatron-Core" in head and "(wheel:" in head
-    assert [ln.split()[0] for ln in lines] == list(ORDER)
-    assert lines[0].split()[1] == "pending"  # nothing imported Megatron yet
+    # One line per fix; under a fix that reaches frameworks, one indented line per target.
+    fix_lines = [ln for ln in lines if not ln.startswith("    ")]
+    assert [ln.split()[0] for ln in fix_lines] == list(ORDER)
+    assert fix_lines[0].split()[1] == "pending"  # nothing imported Megatron yet
+    targets = [ln.strip() for ln in lines if ln.startswith("    ")]
+    assert "verl.utils.checkpoint.megatron_checkpoint_manager (verl): not-applicable" in targets, targets
 
 
 def test_checkout_on_pythonpath_is_reported_as_checkout(tmp_path, mcore_version):
