@@ -286,6 +286,23 @@ def deltas(saved, loaded) -> dict:
     return {k: delta(saved[k], loaded[k]) if k in saved and k in loaded else float("inf") for k in keys}
 
 
+def same_states(a, b, components) -> bool:
+    """Every RNG component of ``a`` is exactly that of ``b`` (and both name exactly ``components``)."""
+    assert set(a) == set(b) == set(components), (sorted(a), sorted(b))
+    return all(delta(a[k], b[k]) == 0.0 for k in sorted(components))
+
+
+def assert_ranks_differ(saved, components) -> None:
+    """Every pair of ranks saved different states in every component, so that restoring another
+    rank's state is visible everywhere (else a test could not fail)."""
+    for i in range(len(saved)):
+        for j in range(i + 1, len(saved)):
+            for k in sorted(components):
+                assert delta(saved[i][k], saved[j][k]) != 0.0, (
+                    f"ranks {i} and {j} saved the same {k}: the check would be vacuous"
+                )
+
+
 def _fix_state(patched):
     return fix_states(FIX_ID, (MODULE,), patched)
 
