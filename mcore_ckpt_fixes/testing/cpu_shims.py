@@ -29,3 +29,78 @@ def install() -> None:
     get_rng_state = lambda device="cuda": torch.get_rng_state()  # noqa: E731
     cuda.get_rng_state = cuda.random.get_rng_state = get_rng_state
     _INSTALLED = True
+
+
+def cuda_to_cpu_mode():
+    """A TorchFunctionMode that sends tensors created with ``device="cuda"`` to the CPU.
+
+    Megatron's optimizer classes allocate small bookkeeping tensors with ``device='cuda'``
+    (``MixedPrecisionOptimizer._dummy_overflow_buf``, ``DistributedOptimizer``'s state allocation
+    on load) and accept parameters only when ``param.type()`` names a ``torch.cuda`` type;
+    :func:`install` covers ``torch.cuda.current_device()`` but not these. The mode maps
+    ``device="cuda"`` to the CPU, makes ``Tensor.cuda()`` a no-op and reports a CPU tensor's
+    ``type()`` under its CUDA name. Entered only around a scenario's own calls, in the worker,
+    on a CPU run.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def is_cuda(dev):
+        return (isinstance(dev, str) and dev.startswith("cuda")) or (
+            isinstance(dev, torch.device) and dev.type == "cuda"
+        )
+
+    class CudaToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if is_cuda(kwargs.get("device")):
+                kwargs = dict(kwargs, device="cpu")
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                # DistributedOptimizer sorts parameters by ``param.type()`` and accepts only
+                # ``torch.cuda.*Tensor``: report the CPU tensors by their CUDA names.
+                name = func(*args)
+                return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            if func is torch.Tensor.to and any(is_cuda(a) for a in args[1:]):
+                args = tuple("cpu" if is_cuda(a) else a for a in args)
+            return func(*args, **kwargs)
+
+    return CudaToCpu()
+
+
+class _NoStream:
+    """What ``torch.cuda.current_stream()`` hands back on a CPU run: CPU work is ordered already."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def cpu_streams():
+    """Context manager: ``torch.cuda.current_stream()`` and ``torch.cuda.stream(s)`` work on a CPU run.
+
+    Megatron's DDP orders its gradient reduce-scatter after the backward with the current CUDA
+    stream (``param_and_grad_buffer.start_grad_sync``); on a CPU every op is already ordered, so
+    the stream is one that waits for nothing. Entered only around a scenario's own calls, in the
+    worker, on a CPU run."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def swapped():
+        saved = torch.cuda.current_stream, torch.cuda.stream
+        torch.cuda.current_stream = lambda device=None: _NoStream()
+        torch.cuda.stream = lambda stream: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            torch.cuda.current_stream, torch.cuda.stream = saved
+
+    return swapped()

@@ -65,40 +65,9 @@ SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_sp
 
 
 def _cuda_to_cpu_mode():
-    """A TorchFunctionMode that sends tensors created with ``device="cuda"`` to the CPU.
+    from ...testing.cpu_shims import cuda_to_cpu_mode
 
-    Megatron's optimizer classes allocate small bookkeeping tensors with ``device='cuda'``
-    (``MixedPrecisionOptimizer._dummy_overflow_buf``, ``DistributedOptimizer``'s state allocation
-    on load) and accept parameters only when ``param.type()`` names a ``torch.cuda`` type;
-    ``testing/cpu_shims.py`` covers ``torch.cuda.current_device()`` but not these. The mode maps
-    ``device="cuda"`` to the CPU, makes ``Tensor.cuda()`` a no-op and reports a CPU tensor's
-    ``type()`` under its CUDA name. Entered only around the scenario's own calls, in the worker,
-    on a CPU run.
-    """
-    from torch.overrides import TorchFunctionMode
-
-    def is_cuda(dev):
-        return (isinstance(dev, str) and dev.startswith("cuda")) or (
-            isinstance(dev, torch.device) and dev.type == "cuda"
-        )
-
-    class CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if is_cuda(kwargs.get("device")):
-                kwargs = dict(kwargs, device="cpu")
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                # DistributedOptimizer sorts parameters by ``param.type()`` and accepts only
-                # ``torch.cuda.*Tensor``: report the CPU tensors by their CUDA names.
-                name = func(*args)
-                return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-            if func is torch.Tensor.to and any(is_cuda(a) for a in args[1:]):
-                args = tuple("cpu" if is_cuda(a) else a for a in args)
-            return func(*args, **kwargs)
-
-    return CudaToCpu()
+    return cuda_to_cpu_mode()
 
 
 # -- layout ----------------------------------------------------------------------------------

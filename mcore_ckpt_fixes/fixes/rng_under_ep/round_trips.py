@@ -73,8 +73,12 @@ class CudaRngStandIn:
     doc), and ``torch.tensor(..., device="cuda")`` makes a CPU tensor. Does nothing where CUDA is
     available."""
 
-    def __init__(self):
+    def __init__(self, generator=None):
+        # ``generator``: the one to play the CUDA generator (torch's default one, so that CPU
+        # dropout draws from the stream a tracker fork swaps in), kept at its state; by default a
+        # fresh generator at torch's default CUDA seed.
         self.gen = None
+        self._generator = generator
         self._saved = []
 
     def _set(self, owner, name, value):
@@ -87,8 +91,10 @@ class CudaRngStandIn:
         import torch.cuda.random as cuda_random
         from megatron.core.tensor_parallel import random as mrandom
 
-        gen = self.gen = torch.Generator()
-        gen.manual_seed(67280421310721)  # torch's default CUDA seed: a fresh process starts there
+        gen = self.gen = self._generator
+        if gen is None:
+            gen = self.gen = torch.Generator()
+            gen.manual_seed(67280421310721)  # torch's default CUDA seed: a fresh process starts there
 
         def get_rng_state(device="cuda"):
             return gen.get_state()

@@ -1,0 +1,84 @@
+"""Run the resume check: uninterrupted (A), stopped after a save (B), resumed in new processes (C).
+
+Per configuration (:mod:`.configs`): run A trains ``steps`` steps; run B trains ``resume_at`` steps
+and saves through ``save_checkpoint``; run C is a new world of new processes that builds the same
+job, ``load_checkpoint`` s and trains the remaining steps. A and C are compared per rank, bit for
+bit (:mod:`.compare`). B and C run twice: with the fixes at their defaults and with every fix off
+(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from ..testing.launcher import run_world
+from .configs import CONFIGS
+
+JOB = "mcore_ckpt_fixes.resume.job:run"
+MODES = {"on": {"MCORE_CKPT_FIXES": "auto"}, "off": {"MCORE_CKPT_FIXES": "off"}}
+STEPS, RESUME_AT = 4, 2
+
+
+def prepare() -> None:
+    """Import in the parent what every rank uses, once (forked ranks then start warm)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.training.arguments  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.training.initialize  # noqa: F401
+    import megatron.training.training  # noqa: F401
+
+
+def _world(cfg, phase, ckpt_dir, env, device, timeout):
+    kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
+    results = run_world(JOB, cfg.world, kwargs, timeout=timeout, env=env)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        last = (failed[0].error or "").strip().splitlines()
+        return None, f"{phase} run: rank {failed[0].rank}: {last[-1] if last else 'failed'}", failed[0].error
+    return [r.value for r in results], None, None
+
+
+def _mode(cfg, mode, uninterrupted, device, timeout):
+    """B then C with this mode's flags, C compared with A."""
+    from .compare import rank_verdict
+
+    ckpt_dir = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-")
+    try:
+        for phase in ("save", "resume"):
+            values, error, detail = _world(cfg, phase, ckpt_dir, MODES[mode], device, timeout)
+            if error:
+                return {"verdict": "error", "error": error, "detail": detail}
+        ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
+        return {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks}
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def needed_here(cfg) -> list:
+    """The fixes of ``cfg.needs`` that this release needs (applied with default flags)."""
+    import mcore_ckpt_fixes
+
+    states = {row["id"]: row["state"] for row in mcore_ckpt_fixes.report()}
+    return [f for f in cfg.needs if states.get(f) == "applied"]
+
+
+def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
+    """One configuration's report: per mode its verdict and, per rank, what differs."""
+    out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs),
+           "needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT}
+    uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["on"], device, timeout)
+    if error:
+        out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
+        return out
+    for mode in modes:
+        out[mode] = _mode(cfg, mode, uninterrupted, device, timeout)
+    return out
+
+
+def check_all(device="cpu", names=None, modes=("on", "off"), nproc=None) -> list:
+    prepare()
+    chosen = [c for c in CONFIGS if (names is None or c.name in names) and (nproc is None or c.world == nproc)]
+    return [check(cfg, device, modes) for cfg in chosen]

@@ -1,0 +1,58 @@
+"""The configurations the resume check trains, stops and resumes.
+
+Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
+``megatron.training.checkpointing`` (:mod:`.job`). ``needs`` names the fixes without which the
+configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
+fixes-off run diverges exactly there, and only there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    summary: str
+    world: int
+    tp: int = 1
+    ep: int = 0  # expert-parallel size (0: a dense model)
+    distributed_optimizer: bool = True
+    optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
+    fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
+    ckpt_format: str = "torch_dist"
+    needs: Tuple[str, ...] = ()
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+
+CONFIGS = (
+    Config("dense-tp2", "dense GPT, TP=2, distributed optimizer (dp_reshardable)", world=2, tp=2),
+    Config("moe-ep2", "MoE GPT, EP=2 on 2 ranks, distributed optimizer (dp_reshardable)", world=2, ep=2,
+           needs=("rng-under-ep",)),
+    Config("moe-ep2-fully-reshardable", "MoE GPT, EP=2, distributed optimizer (fully_reshardable)", world=2,
+           ep=2, optim_format="fully_reshardable", needs=("rng-under-ep",)),
+    Config("moe-ep2-dp2", "MoE GPT, EP=2 x DP=2 on 4 ranks, distributed optimizer (dp_reshardable)", world=4,
+           ep=2, needs=("rng-under-ep",)),
+)
+
+# Not trained by the check, with the reason (a configuration a release cannot build or save is
+# never counted as a pass).
+NOT_RUN = {
+    "fully_sharded_model_space": "megatron.training saves the distributed optimizer as dp_reshardable or "
+    "fully_reshardable only; fully_sharded_model_space is what a direct sharded_state_dict call without "
+    "metadata saves, outside the training loop",
+    "fsdp_dtensor": "Megatron-FSDP allocates its parameter and gradient buffers on a CUDA device; on a CPU "
+    "host the model cannot be wrapped",
+}
+
+
+def by_name(name: str) -> Config:
+    for cfg in CONFIGS:
+        if cfg.name == name:
+            return cfg
+    raise KeyError(f"unknown resume configuration {name!r}; known: {', '.join(c.name for c in CONFIGS)}")

@@ -1,0 +1,95 @@
+"""A CPU stand-in with Apex ``FusedAdam``'s interface, so Megatron takes its GPU optimizer path.
+
+Megatron-Core picks its Adam at import: Transformer Engine's or Apex's ``FusedAdam`` where one
+imports, else torch's ``AdamW``. The two paths checkpoint differently: FusedAdam keeps the step
+count in each param group (``group["step"]``) and only the moments per parameter, torch's Adam
+keeps a ``step`` tensor per parameter, and ``DistributedOptimizer`` has a branch for each. Users
+train on the FusedAdam path; neither package installs without CUDA. This class does what
+``apex.optimizers.FusedAdam`` does (Adam or AdamW, bias correction, the step per group) with
+plain torch ops, and :func:`use_fused_adam` makes Megatron's optimizer modules see it as Apex's.
+Used only in resume-check worker processes, never by ``import mcore_ckpt_fixes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Apex ``FusedAdam``'s constructor and state layout, computed with plain torch ops."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False, master_weights=False):
+        if amsgrad or capturable or master_weights:
+            raise ValueError("the FusedAdam stand-in supports neither amsgrad, capturable nor master_weights")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.adam_w_mode = adam_w_mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            # Apex counts steps per group, and only for groups that have parameters.
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p, group):
+        state = self.state[p]
+        if len(state) == 0:
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        step, lr, wd = group["step"], group["lr"], group["weight_decay"]
+        grad = p.grad.float()
+        if not self.adam_w_mode and wd != 0:
+            grad = grad + wd * p
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        c1 = 1 - beta1**step if group["bias_correction"] else 1.0
+        c2 = 1 - beta2**step if group["bias_correction"] else 1.0
+        update = (state["exp_avg"] / c1) / ((state["exp_avg_sq"] / c2).sqrt() + group["eps"])
+        if self.adam_w_mode and wd != 0:
+            update = update + wd * p
+        p.add_(update, alpha=-lr)
+
+
+class FusedSGD(torch.optim.SGD):
+    """Apex ``FusedSGD``'s name (Megatron imports it beside FusedAdam); torch's SGD does the work."""
+
+
+# (module, attribute, value): what Megatron-Core's optimizer modules decided at import, set as they
+# are when Apex imports. Attributes a release does not have are left alone.
+_APEX_GLOBALS = (
+    ("megatron.core.optimizer", "Adam", FusedAdam),
+    ("megatron.core.optimizer", "SGD", FusedSGD),
+    ("megatron.core.optimizer", "USING_PYTORCH_OPTIMIZER", False),
+    ("megatron.core.optimizer.distrib_optimizer", "Adam", FusedAdam),
+    ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE", True),
+    ("megatron.core.optimizer.distrib_optimizer", "USING_APEX_OPTIMIZER", True),
+    ("megatron.core.optimizer.distrib_optimizer", "USING_TE_OPTIMIZER", False),
+)
+
+
+@contextlib.contextmanager
+def use_fused_adam():
+    """Megatron's optimizer modules behave as with Apex installed, inside the block."""
+    import importlib
+
+    saved = []
+    try:
+        for module_name, attr, value in _APEX_GLOBALS:
+            module = importlib.import_module(module_name)
+            if hasattr(module, attr):
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)

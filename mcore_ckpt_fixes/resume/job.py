@@ -1,0 +1,276 @@
+"""One rank of a resume-check run: a small GPT trained with Megatron's own parts.
+
+Megatron's arguments (``parse_args`` / ``validate_args`` / ``set_global_variables``, no
+tokenizer), ``GPTModel`` (local layers; MoE with one expert per EP rank where the configuration
+has experts), ``Float16Module`` (bf16), Megatron's ``DistributedDataParallel``,
+``get_megatron_optimizer`` (the distributed optimizer where the configuration says so),
+``get_optimizer_param_scheduler``, and ``megatron.training.checkpointing``'s ``save_checkpoint`` /
+``load_checkpoint``: the same calls a training run makes between steps.
+
+Every RNG stream Megatron checkpoints is consumed every step, each into the loss:
+
+* Python ``random`` picks how far the sample is rolled, NumPy draws the tokens, the CPU generator
+  which tokens are masked;
+* torch's default generator draws the hidden dropout (the CPU stand-in below makes it the
+  generator Megatron's RNG tracker swaps, as a GPU's default CUDA generator is);
+* the tracker's model-parallel stream draws the attention dropout, its expert-parallel stream the
+  MoE router's random logits (``moe_router_force_load_balancing``), and every tracker stream gives
+  one more draw that scales the loss (so a stream no layer draws from, e.g. the data-parallel one,
+  counts too).
+
+CPU stand-ins (worker processes only): torch's default generator plays the CUDA default generator
+and a second one the CPU generator (:mod:`.rng_standin`), so a tracker fork really changes what
+dropout and ``normal_()`` draw; ``device="cuda"`` tensors are made on the CPU (``cuda_to_cpu_mode``); Apex's FusedAdam is
+stood in for where the configuration asks for it (``fused_adam``). On CUDA none of them is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import random
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SEED = 1234
+VOCAB, SEQ, HIDDEN = 32, 8, 16
+
+
+def _argv(cfg, ckpt_dir, steps):
+    argv = [
+        "mcore-ckpt-fixes-resume",
+        "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "2",
+        "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+        "--micro-batch-size", "1", "--global-batch-size", str(cfg.dp),
+        "--tensor-model-parallel-size", str(cfg.tp),
+        "--use-cpu-initialization", "--bf16", "--ckpt-format", cfg.ckpt_format,
+        "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+        "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+        "--save", ckpt_dir, "--load", ckpt_dir, "--save-interval", "1",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--lr", "0.01", "--min-lr", "0.001", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+        "--weight-decay", "0.01", "--clip-grad", "1.0",
+        "--train-iters", str(steps), "--seed", str(SEED),
+    ]
+    if cfg.ep:
+        argv += ["--num-experts", str(cfg.ep), "--expert-model-parallel-size", str(cfg.ep),
+                 "--moe-router-force-load-balancing", "--moe-token-dispatcher-type", "allgather"]
+    if cfg.distributed_optimizer:
+        argv.append("--use-distributed-optimizer")
+    if cfg.optim_format == "fully_reshardable":
+        argv.append("--dist-ckpt-optim-fully-reshardable")
+    return argv
+
+
+def _args(cfg, ckpt_dir, steps):
+    from megatron.training import arguments, global_vars
+
+    saved_argv, sys.argv = sys.argv, _argv(cfg, ckpt_dir, steps)
+    saved_arch = getattr(arguments, "get_device_arch_version", None)
+    if saved_arch is not None and not torch.cuda.is_available():
+        # validate_args asks the GPU's architecture under TP > 1 (for CUDA_DEVICE_MAX_CONNECTIONS);
+        # a CPU host has none: answer as a GPU without that requirement would.
+        arguments.get_device_arch_version = lambda: 10
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+            args = arguments.parse_args()
+            arguments.validate_args(args, {})
+            global_vars.set_global_variables(args, build_tokenizer=False)
+    finally:
+        sys.argv = saved_argv
+        if saved_arch is not None:
+            arguments.get_device_arch_version = saved_arch
+    # Megatron-LM main saves tokenizer files beside a torch_dist checkpoint; this job has none.
+    if getattr(args, "save_tokenizer_assets", False):
+        args.save_tokenizer_assets = False
+    return args
+
+
+def _seed(args):
+    """Megatron's seeding (``_set_random_seed``); on CPU also the tracker, which it seeds only
+    when it sees a GPU."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.training.initialize import _set_random_seed
+
+    _set_random_seed(args.seed, args.data_parallel_random_init)
+    if torch.cuda.device_count() == 0:
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed + 100 * mpu.get_pipeline_model_parallel_rank())
+
+
+def _build(args, cfg):
+    """Model, DDP wrapper, optimizer and scheduler, as ``setup_model_and_optimizer`` builds them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training import arguments
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    config = arguments.core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.ep or None, moe_grouped_gemm=False)
+    gpt = GPTModel(config, spec, vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None
+    )
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    return model, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def _batch(cpu_gen):
+    """This step's sample: NumPy draws the tokens, Python's ``random`` how far they are rolled, the
+    CPU generator which of them are replaced by token 0 (as a loader's masking would)."""
+    tokens = np.random.randint(0, VOCAB, size=(1, SEQ + 1))
+    tokens = np.roll(tokens, random.randrange(SEQ + 1), axis=1)
+    tokens = torch.from_numpy(tokens)
+    tokens = tokens.masked_fill(torch.rand(tokens.shape, generator=cpu_gen) < 0.2, 0)
+    position_ids = torch.arange(SEQ).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True: masked
+    return tokens[:, :-1].contiguous(), position_ids, mask, tokens[:, 1:].contiguous()
+
+
+def _loss_scale():
+    """One draw from every tracker stream (the data-parallel one included, which no layer draws
+    from), folded into the loss."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    scale = torch.ones(())
+    for name in sorted(tracker.get_states()):
+        with tracker.fork(name):
+            scale = scale + 0.01 * torch.rand(())
+    return scale
+
+
+def train_step(model, optimizer, scheduler, args, cpu_gen):
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, position_ids, mask, labels = _batch(cpu_gen)
+    per_token = model(tokens, position_ids, mask, labels=labels)
+    loss = per_token.float().mean() * _loss_scale()
+    loss.backward()
+    finalize_model_grads([model])
+    ok, _, _ = optimizer.step()
+    assert ok, "the optimizer skipped a step (overflow): the run would not be comparable"
+    scheduler.step(increment=args.global_batch_size)
+    return float(loss.detach())
+
+
+# -- what a resumed run must have exactly as the uninterrupted one -------------------------------------
+
+
+def _inner_optimizers(optimizer):
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _scalar(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, (int, float, bool, str, tuple, type(None))):
+        return value
+    return repr(value)
+
+
+def snapshot(model, optimizer, scheduler):
+    """This rank's whole training state, by name: parameters, every optimizer state tensor and
+    scalar (the torch optimizers' groups and per-parameter state, their parameters being the
+    distributed optimizer's fp32 main shards), the scheduler, and every RNG stream."""
+    from megatron.core import tensor_parallel
+
+    state = {f"param:{n}": p.detach().clone().cpu() for n, p in model.module.named_parameters()}
+    for i, inner in enumerate(_inner_optimizers(optimizer)):
+        for g, group in enumerate(inner.param_groups):
+            for key, value in sorted(group.items()):
+                if key != "params":
+                    state[f"optim{i}:group{g}:{key}"] = _scalar(value)
+            for j, p in enumerate(group["params"]):
+                state[f"optim{i}:group{g}:main{j}"] = p.detach().clone().cpu()
+                for key, value in sorted(inner.state.get(p, {}).items()):
+                    state[f"optim{i}:group{g}:state{j}:{key}"] = _scalar(value)
+    for key, value in sorted(scheduler.state_dict().items()):
+        state[f"scheduler:{key}"] = _scalar(value)
+    state["rng:python"] = random.getstate()
+    state["rng:numpy"] = tuple(np.random.get_state())
+    state["rng:torch"] = torch.get_rng_state().clone()
+    if torch.cuda.is_available():
+        state["rng:cuda"] = torch.cuda.get_rng_state().clone()
+    for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        state[f"rng:tracker:{name}"] = (value.get_state() if isinstance(value, torch.Generator) else value).clone()
+    return state
+
+
+def _coords():
+    from megatron.core import parallel_state as mpu
+
+    return {
+        "rank": dist.get_rank(),
+        "tp": mpu.get_tensor_model_parallel_rank(),
+        "ep": mpu.get_expert_model_parallel_rank(),
+        "dp": mpu.get_data_parallel_rank(),
+    }
+
+
+def _train(model, optimizer, scheduler, args, cpu_gen, first, last):
+    return {step: train_step(model, optimizer, scheduler, args, cpu_gen) for step in range(first, last + 1)}
+
+
+def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
+    from megatron.core import parallel_state as mpu
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    args = _args(cfg, ckpt_dir, steps)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, expert_model_parallel_size=cfg.ep or 1)
+    _seed(args)
+    model, optimizer, scheduler = _build(args, cfg)
+    out = {"coords": _coords(), "losses": {}}
+    if phase == "uninterrupted":
+        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
+    elif phase == "save":
+        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
+        save_checkpoint(resume_at, [model], optimizer, scheduler, 0)
+        dist.barrier()
+        return out  # the stopped run's state is not compared: the resumed run's is
+    else:
+        iteration, _ = load_checkpoint([model], optimizer, scheduler)
+        assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
+        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+    out["state"] = snapshot(model, optimizer, scheduler)
+    return out
+
+
+def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
+    """One rank of one run (``phase``: ``uninterrupted``, ``save`` or ``resume``); a world entry point
+    for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and,
+    except for ``save``, its final state (:func:`snapshot`)."""
+    from ..testing.cpu_shims import cpu_streams, cuda_to_cpu_mode
+    from .fused_adam import use_fused_adam
+    from .rng_standin import TrainingRngStandIn
+
+    assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
+    torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
+    on_cpu = device == "cpu" and not torch.cuda.is_available()
+    with contextlib.ExitStack() as stack:
+        rng = stack.enter_context(TrainingRngStandIn())
+        if on_cpu:
+            stack.enter_context(cuda_to_cpu_mode())
+            stack.enter_context(cpu_streams())
+        if cfg.fused_adam:
+            stack.enter_context(use_fused_adam())
+        try:
+            return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
+        finally:
+            from megatron.core import parallel_state as mpu
+
+            with contextlib.suppress(Exception):
+                mpu.destroy_model_parallel()
