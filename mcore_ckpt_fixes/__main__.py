@@ -60,7 +60,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p_self.add_argument("--nproc", type=_positive_int, default=None,
                         help="run only the scenarios written for this many ranks (default: every scenario, "
                              "each at the world size it is written for)")
-    p_self.add_argument("--json", action="store_true", help="print a JSON list of objects, one per fix")
+    p_self.add_argument("--json", action="store_true",
+                        help="print a JSON list of objects, one per fix (with --resume: one per configuration)")
+    p_self.add_argument("--resume", action="store_true",
+                        help="run the resume check instead: train, save, stop, resume in new processes, and "
+                             "compare with the uninterrupted run bit for bit, with the fixes on and off")
     p_insp = sub.add_parser(
         "inspect",
         help="the checkpoint doctor: what is on disk and whether a run with these sizes can read it",
@@ -94,6 +98,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_status(as_json=args.json, import_targets_first=not args.no_import)
     if args.command == "selftest":
+        if args.resume:
+            from .cli.selftest_resume import run as run_resume
+
+            return run_resume(device=args.device, nproc=args.nproc, as_json=args.json)
         from .cli.selftest import run as run_selftest
 
         return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json)

@@ -33,7 +33,10 @@ def prepare() -> None:
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
-    results = run_world(JOB, cfg.world, kwargs, timeout=timeout, env=env)
+    # CUDA state does not survive a fork: on a GPU the ranks are fresh interpreters (gloo still,
+    # so that several ranks may share one GPU).
+    method = "spawn" if device == "cuda" else "fork"
+    results = run_world(JOB, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
     failed = [r for r in results if not r.ok]
     if failed:
         last = (failed[0].error or "").strip().splitlines()
@@ -78,7 +81,15 @@ def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     return out
 
 
-def check_all(device="cpu", names=None, modes=("on", "off"), nproc=None) -> list:
-    prepare()
-    chosen = [c for c in CONFIGS if (names is None or c.name in names) and (nproc is None or c.world == nproc)]
-    return [check(cfg, device, modes) for cfg in chosen]
+def not_applicable() -> str:
+    """Why this installation cannot run the check ('' if it can)."""
+    try:
+        import megatron.training.checkpointing  # noqa: F401
+    except ImportError as exc:
+        return (f"megatron.training does not import ({exc}): Megatron-Core wheels ship it from 0.17.0; "
+                "older releases run it from a Megatron-LM checkout on PYTHONPATH")
+    return ""
+
+
+def chosen(names=None, nproc=None) -> list:
+    return [c for c in CONFIGS if (names is None or c.name in names) and (nproc is None or c.world == nproc)]

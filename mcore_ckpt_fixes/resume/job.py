@@ -116,6 +116,8 @@ def _build(args, cfg):
     config = arguments.core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(num_experts=cfg.ep or None, moe_grouped_gemm=False)
     gpt = GPTModel(config, spec, vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings)
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None
     )
@@ -124,6 +126,10 @@ def _build(args, cfg):
     opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
     optimizer = get_megatron_optimizer(opt_config, [model])
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _batch(cpu_gen):
@@ -144,10 +150,10 @@ def _loss_scale():
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    scale = torch.ones(())
+    scale = torch.ones((), device=_device())
     for name in sorted(tracker.get_states()):
-        with tracker.fork(name):
-            scale = scale + 0.01 * torch.rand(())
+        with tracker.fork(name):  # swaps the CUDA generator (on a CPU host: its stand-in)
+            scale = scale + 0.01 * torch.rand((), device=_device())
     return scale
 
 
@@ -156,7 +162,7 @@ def train_step(model, optimizer, scheduler, args, cpu_gen):
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    tokens, position_ids, mask, labels = _batch(cpu_gen)
+    tokens, position_ids, mask, labels = (t.to(_device()) for t in _batch(cpu_gen))
     per_token = model(tokens, position_ids, mask, labels=labels)
     loss = per_token.float().mean() * _loss_scale()
     loss.backward()

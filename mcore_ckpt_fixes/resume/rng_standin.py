@@ -52,3 +52,25 @@ class TrainingRngStandIn(CudaRngStandIn):
     def cpu_generator(self):
         """The generator CPU-side sampling (a data loader's shuffle) draws from."""
         return self.cpu if self.cpu is not None else torch.default_generator
+
+
+def fork_draws(rank, world_size):
+    """A world entry point proving the stand-in real on this stack: what CPU ops draw inside and
+    after ``tracker.fork``, and the CPU generator before and after it. Inside the fork the draws
+    must come from the tracker's stream, after it from the default stream where it was, and the CPU
+    generator must not move (a fork that only keeps bookkeeping fails the first)."""
+    from megatron.core import tensor_parallel
+
+    with TrainingRngStandIn():
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.reset()
+        torch.manual_seed(1)  # seeds the CPU generator and the CUDA one, as torch does
+        tracker.add("a", 2)
+        cpu_before = torch.get_rng_state().clone()
+        with tracker.fork("a"):
+            inside = torch.rand(8)
+            dropped = torch.nn.functional.dropout(torch.ones(8), 0.5)
+        after = torch.rand(8)
+        cpu_after = torch.get_rng_state().clone()
+        tracker.reset()
+    return {"inside": inside, "dropped": dropped, "after": after, "cpu_before": cpu_before, "cpu_after": cpu_after}

@@ -1,0 +1,111 @@
+"""``selftest --resume``: the resume check (:mod:`mcore_ckpt_fixes.resume`) on this stack.
+
+Per configuration, with the fixes at their defaults and with every fix off: exact (the resumed
+run is bit for bit the uninterrupted one on every rank), or the first resumed step, the rank and
+the state that differ. Exit 0 only when every configuration is exact with the fixes on; 1 when
+one is not (or could not run); 2 when the check cannot run here at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+from mcore_ckpt_fixes.engine.version import detect
+
+from .selftest_run import captured, progress, set_aside_user_flags, stack
+
+
+def _off_note(cfg_out) -> str:
+    off, needed = cfg_out.get("off", {}), cfg_out["needed_here"]
+    if off.get("verdict") == "inexact" and not needed:
+        return "unexpected: no fix this configuration needs applies here"
+    if off.get("verdict") == "exact" and needed:
+        return f"unexpected: {', '.join(needed)} applies here, yet the run resumed exactly without it"
+    return f"needs {', '.join(needed)}" if needed else ""
+
+
+def describe(mode_out) -> str:
+    """One line: exact, the error, or where the resumed run first differs."""
+    if mode_out["verdict"] == "error":
+        return f"ERROR ({mode_out['error']})"
+    if mode_out["verdict"] == "exact":
+        n = sum(r["n_compared"] for r in mode_out["ranks"])
+        return f"exact ({len(mode_out['ranks'])} ranks, {n} values)"
+    bad = [r for r in mode_out["ranks"] if not r["exact"]]
+    first = min(bad, key=lambda r: (r["first_step"] is None, r["first_step"] or 0, r["rank"]))
+    where = f"step {first['first_step']}" if first["first_step"] is not None else "final state only"
+    ranks = ", ".join(f"{r['rank']} (ep {r['ep']}, tp {r['tp']}): {r['n_differ']} values" for r in bad)
+    return f"inexact from {where} on rank {first['rank']}; ranks {ranks}; e.g. {', '.join(first['differ'][:3])}"
+
+
+def _print(rows, info, torch_version, device, total, code) -> None:
+    from mcore_ckpt_fixes.resume.check import RESUME_AT, STEPS
+
+    print(f"resume check: Megatron-Core {info.version} ({info.source}), torch {torch_version}, {device}; "
+          f"{STEPS} steps uninterrupted vs stopped after {RESUME_AT} and resumed in new processes")
+    for row in rows:
+        print(f"  {row['config']}: {row['summary']}")
+        if "not_applicable" in row:
+            print(f"    not applicable: {row['not_applicable']}")
+            continue
+        print(f"    fixes on:  {describe(row['on'])}")
+        note = _off_note(row)
+        print(f"    fixes off: {describe(row['off'])}" + (f"  [{note}]" if note else ""))
+    print(f"{'PASS' if code == 0 else 'FAIL'}: every configuration exact with the fixes on"
+          + ("" if code == 0 else " is not the case") + f" ({total:.0f} s)")
+
+
+def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
+    from mcore_ckpt_fixes.resume import check as resume
+
+    info = detect()
+    if info.source == "absent":
+        print("mcore-ckpt-fixes selftest: Megatron-Core is not importable in this environment", file=sys.stderr)
+        return 2
+    why = resume.not_applicable()
+    torch_version, stack_skip = stack(device, None)
+    if why or torch_version is None:
+        print(f"mcore-ckpt-fixes selftest --resume: not applicable here: {why or stack_skip}", file=sys.stderr)
+        return 2
+    configs = resume.chosen(nproc=nproc)
+    if not configs:
+        print(f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} ranks", file=sys.stderr)
+        return 2
+    set_aside = set_aside_user_flags()
+    if set_aside:
+        progress("selftest --resume: ignoring " + ", ".join(f"{k}={v}" for k, v in set_aside.items())
+                 + ": the fixes run at their defaults (auto) and off", "\n")
+    import mcore_ckpt_fixes
+
+    mcore_ckpt_fixes.revert()
+    mcore_ckpt_fixes.apply()
+    began = time.monotonic()
+    fd, log_path = tempfile.mkstemp(prefix="mcore-ckpt-fixes-resume-", suffix=".log")
+    os.close(fd)
+    rows = []
+    with captured(log_path):
+        resume.prepare()
+        for i, cfg in enumerate(configs, 1):
+            progress(f"resume [{i}/{len(configs)}] {cfg.name} ...")
+            start = time.monotonic()
+            rows.append(resume.check(cfg, device))
+            progress(f" {rows[-1]['on']['verdict']} with the fixes, {rows[-1]['off']['verdict']} without "
+                     f"({time.monotonic() - start:.0f} s)", "\n")
+    code = 0 if all(r["on"]["verdict"] == "exact" for r in rows) else 1
+    if code == 0:
+        os.unlink(log_path)
+    else:
+        progress(f"selftest --resume: what the ranks and Megatron printed is in {log_path}", "\n")
+    for row in rows:
+        for mode in ("on", "off"):
+            for r in row[mode].get("ranks", []):
+                r.pop("differ_all", None)
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        _print(rows, info, torch_version, device, time.monotonic() - began, code)
+    return code
