@@ -53,14 +53,19 @@ def _print(rows, info, torch_version, device, total, code) -> None:
             print(f"    not applicable: {row['not_applicable']}")
             continue
         print(f"    fixes on:  {describe(row['on'])}")
+        if "known_bug" in row:
+            print(f"    known bug {row['known_bug']}, not fixed here yet (see the known-bugs catalogue); "
+                  "not counted in the verdict")
+            continue
         note = _off_note(row)
         print(f"    fixes off: {describe(row['off'])}" + (f"  [{note}]" if note else ""))
-    print(f"{'PASS' if code == 0 else 'FAIL'}: every configuration exact with the fixes on"
-          + ("" if code == 0 else " is not the case") + f" ({total:.0f} s)")
+    verdict = "every configuration exact with the fixes on" if code == 0 else "a configuration is not exact with the fixes on"
+    print(f"{'PASS' if code == 0 else 'FAIL'}: {verdict} ({total:.0f} s)")
 
 
 def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     from mcore_ckpt_fixes.resume import check as resume
+    from mcore_ckpt_fixes.resume.configs import KNOWN_BUG, KNOWN_FAILING
 
     info = detect()
     if info.source == "absent":
@@ -89,20 +94,26 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     rows = []
     with captured(log_path):
         resume.prepare()
-        for i, cfg in enumerate(configs, 1):
-            progress(f"resume [{i}/{len(configs)}] {cfg.name} ...")
+        todo = configs + [c for c in KNOWN_FAILING if nproc is None or c.world == nproc]
+        for i, cfg in enumerate(todo, 1):
+            progress(f"resume [{i}/{len(todo)}] {cfg.name} ...")
             start = time.monotonic()
-            rows.append(resume.check(cfg, device))
-            progress(f" {rows[-1]['on']['verdict']} with the fixes, {rows[-1]['off']['verdict']} without "
-                     f"({time.monotonic() - start:.0f} s)", "\n")
-    code = 0 if all(r["on"]["verdict"] == "exact" for r in rows) else 1
+            known = KNOWN_BUG.get(cfg.name)
+            row = resume.check(cfg, device, modes=("on",) if known else ("on", "off"))
+            if known:
+                row["known_bug"] = known
+            rows.append(row)
+            progress(f" {row['on']['verdict']} with the fixes"
+                     + (f", {row['off']['verdict']} without" if "off" in row else f" (known bug {known})")
+                     + f" ({time.monotonic() - start:.0f} s)", "\n")
+    code = 0 if all(r["on"]["verdict"] == "exact" for r in rows if "known_bug" not in r) else 1
     if code == 0:
         os.unlink(log_path)
     else:
         progress(f"selftest --resume: what the ranks and Megatron printed is in {log_path}", "\n")
     for row in rows:
         for mode in ("on", "off"):
-            for r in row[mode].get("ranks", []):
+            for r in row.get(mode, {}).get("ranks", []):
                 r.pop("differ_all", None)
     if as_json:
         print(json.dumps(rows, indent=2, default=str))

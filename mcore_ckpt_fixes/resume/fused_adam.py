@@ -6,7 +6,7 @@ count in each param group (``group["step"]``) and only the moments per parameter
 keeps a ``step`` tensor per parameter, and ``DistributedOptimizer`` has a branch for each. Users
 train on the FusedAdam path; neither package installs without CUDA. This class does what
 ``apex.optimizers.FusedAdam`` does (Adam or AdamW, bias correction, the step per group) with
-plain torch ops, and :func:`use_fused_adam` makes Megatron's optimizer modules see it as Apex's.
+plain torch ops, and :func:`optimizer_path` makes Megatron's optimizer modules see it as Apex's.
 Used only in resume-check worker processes, never by ``import mcore_ckpt_fixes``.
 """
 
@@ -64,27 +64,30 @@ class FusedSGD(torch.optim.SGD):
     """Apex ``FusedSGD``'s name (Megatron imports it beside FusedAdam); torch's SGD does the work."""
 
 
-# (module, attribute, value): what Megatron-Core's optimizer modules decided at import, set as they
-# are when Apex imports. Attributes a release does not have are left alone.
-_APEX_GLOBALS = (
-    ("megatron.core.optimizer", "Adam", FusedAdam),
-    ("megatron.core.optimizer", "SGD", FusedSGD),
-    ("megatron.core.optimizer", "USING_PYTORCH_OPTIMIZER", False),
-    ("megatron.core.optimizer.distrib_optimizer", "Adam", FusedAdam),
-    ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE", True),
-    ("megatron.core.optimizer.distrib_optimizer", "USING_APEX_OPTIMIZER", True),
-    ("megatron.core.optimizer.distrib_optimizer", "USING_TE_OPTIMIZER", False),
-)
+# (module, attribute, value): what Megatron-Core's optimizer modules decide at import, as they
+# decide it with Apex installed and with neither Apex nor Transformer Engine. Attributes a release
+# does not have are left alone.
+def _globals(apex: bool):
+    return (
+        ("megatron.core.optimizer", "Adam", FusedAdam if apex else torch.optim.AdamW),
+        ("megatron.core.optimizer", "SGD", FusedSGD if apex else torch.optim.SGD),
+        ("megatron.core.optimizer", "USING_PYTORCH_OPTIMIZER", not apex),
+        ("megatron.core.optimizer.distrib_optimizer", "Adam", FusedAdam if apex else torch.optim.Adam),
+        ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE", apex),
+        ("megatron.core.optimizer.distrib_optimizer", "USING_APEX_OPTIMIZER", apex),
+        ("megatron.core.optimizer.distrib_optimizer", "USING_TE_OPTIMIZER", False),
+    )
 
 
 @contextlib.contextmanager
-def use_fused_adam():
-    """Megatron's optimizer modules behave as with Apex installed, inside the block."""
+def optimizer_path(apex: bool):
+    """Megatron's optimizer modules behave as with Apex installed (``apex=True``: the stand-in
+    above) or as with neither Apex nor Transformer Engine (torch's Adam), inside the block."""
     import importlib
 
     saved = []
     try:
-        for module_name, attr, value in _APEX_GLOBALS:
+        for module_name, attr, value in _globals(apex):
             module = importlib.import_module(module_name)
             if hasattr(module, attr):
                 saved.append((module, attr, getattr(module, attr)))

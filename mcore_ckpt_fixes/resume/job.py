@@ -260,7 +260,7 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and,
     except for ``save``, its final state (:func:`snapshot`)."""
     from ..testing.cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from .fused_adam import use_fused_adam
+    from .fused_adam import optimizer_path
     from .rng_standin import TrainingRngStandIn
 
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
@@ -271,8 +271,10 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
-        if cfg.fused_adam:
-            stack.enter_context(use_fused_adam())
+        if on_cpu or not cfg.fused_adam:
+            # On a GPU the FusedAdam path is the installed Apex's or Transformer Engine's; a CPU
+            # host has neither, so the stand-in takes its place.
+            stack.enter_context(optimizer_path(apex=cfg.fused_adam))
         try:
             return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
         finally:

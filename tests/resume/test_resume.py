@@ -16,7 +16,7 @@ import pytest
 from conftest import megatron_version
 
 from mcore_ckpt_fixes.resume import check as resume
-from mcore_ckpt_fixes.resume.configs import CONFIGS
+from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING
 
 RNG_EXPERT = "rng:tracker:expert-parallel-rng"
 
@@ -32,10 +32,10 @@ def _needs_training():
 _CACHE: dict = {}
 
 
-def _checked(cfg):
+def _checked(cfg, modes=("on", "off")):
     if cfg.name not in _CACHE:
         resume.prepare()
-        _CACHE[cfg.name] = resume.check(cfg)
+        _CACHE[cfg.name] = resume.check(cfg, modes=modes)
     return _CACHE[cfg.name]
 
 
@@ -81,6 +81,22 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
             assert r["first_step"] != first, _fail_text(off)
+
+
+@pytest.mark.parametrize("cfg", KNOWN_FAILING, ids=[c.name for c in KNOWN_FAILING])
+def test_known_failing_configuration_still_fails_as_catalogued(cfg):
+    """torch's Adam (Megatron's fallback without Apex or Transformer Engine): load_checkpoint into the
+    freshly built optimizer of the resumed run stops in DistributedOptimizer.state_dict's
+    ``assert len(steps) == 1`` (no parameter has a step before the first one), with the fixes on.
+    Loud, not silent; catalogued as ``torch-adam-fresh-load``. Fails here once it resumes."""
+    _needs_training()
+    assert KNOWN_BUG[cfg.name] == "torch-adam-fresh-load"
+    out = _checked(cfg, modes=("on",))["on"]
+    assert out["verdict"] == "error", _fail_text(out)
+    assert out["error"].startswith("resume run: rank 0: AssertionError"), out["error"]
+    frames = [line for line in out["detail"].splitlines() if line.strip().startswith("File ")]
+    assert "distrib_optimizer.py" in frames[-1] and frames[-1].endswith("in state_dict"), frames[-3:]
+    assert any("load_checkpoint" in f for f in frames), frames
 
 
 def test_the_rng_stand_in_really_swaps_what_dropout_draws():
