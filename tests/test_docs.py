@@ -2,15 +2,23 @@
 
 * The generated pages (docs/fixes/<fix-id>.md, the release matrix of docs/releases.md) are what
   tools/docs.py makes from their sources today: regenerated in memory and compared.
+* README.md stays a page a user reads (<= 12 KB), lists every fix with a link to its page, and its
+  two set-up commands are the ones tools/ and .ci/run really run.
+* Every relative link in README.md, CONTRIBUTING.md and docs/ reaches a file (and a heading, where
+  it names one).
 """
 
 import importlib.util
 import os
+import re
 
 import pytest
 
 from conftest import ROOT
 from mcore_ckpt_fixes.engine.registry import ENGINE
+
+README = os.path.join(ROOT, "README.md")
+README_LIMIT = 12 * 1024
 
 
 def _read(*parts):
@@ -57,5 +65,90 @@ def test_release_matrix_has_every_release_and_its_measured_states(docs_tool):
         assert states == [{"not-applicable": "n/a"}.get(s, s) for s in (expected[rel][f] for f in fix_ids)], rel
 
 
+def test_readme_is_short():
+    size = os.path.getsize(README)
+    assert size <= README_LIMIT, f"README.md is {size} bytes: keep it <= {README_LIMIT}, move reference text to docs/"
+
+
+def test_readme_lists_every_fix_with_its_page():
+    readme = _read("README.md")
+    for fix_id in ENGINE.discover():
+        assert f"[`{fix_id}`](docs/fixes/{fix_id}.md)" in readme, fix_id
+
+
+def _setup_section(readme):
+    start = readme.index("## Set-up on a fresh machine: the two commands")
+    end = readme.find("\n## ", start + 1)
+    return readme[start:end if end != -1 else None]
+
+
 def _listed(path):
     return [ln.split()[0] for ln in _read(path).splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_readme_setup_commands_are_what_the_tools_run():
+    section = _setup_section(_read("README.md"))
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "`tools/" in ln]
+    assert [re.findall(r"`(tools/[a-z]+\.sh)`", r)[0] for r in rows] == ["tools/main.sh", "tools/test.sh"]
+    for script in ("tools/main.sh", "tools/test.sh"):
+        assert os.access(os.path.join(ROOT, script), os.X_OK), script
+    # CI runs exactly the README's test command.
+    ci = [ln for ln in _read(".ci", "run").splitlines() if ln.strip() and not ln.startswith("#")]
+    assert ci[-1] == "exec bash tools/test.sh", ci
+    # The main job: the package built from this checkout, beside the default release the README
+    # names, then selftest on CPU.
+    main = _read("tools", "main.sh")
+    default = re.search(r"rel=\$\{1:-([0-9.]+)\}", main).group(1)
+    assert f"default Megatron-Core ({default}, CPU torch)" in rows[0]
+    assert 'pip install' in main and '"$ROOT"' in main and "-m mcore_ckpt_fixes selftest --device cpu" in main
+    # The test command: the counts the README gives are those of the lists tools/test.sh reads.
+    lines, frameworks, releases = (len(_listed(f"tools/{n}.txt")) for n in ("releases", "frameworks", "sweep-releases"))
+    claim = f"{lines} Megatron-Core release lines, {frameworks} framework lines, `status` on all {releases} releases"
+    assert claim in rows[1]
+
+
+def _markdown_files():
+    files = [README, os.path.join(ROOT, "CONTRIBUTING.md")]
+    for base, _, names in os.walk(os.path.join(ROOT, "docs")):
+        files += [os.path.join(base, n) for n in names if n.endswith(".md")]
+    return files
+
+
+def _anchor(heading):
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    broken = []
+    for path in _markdown_files():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+            if not os.path.exists(dest):
+                broken.append(f"{os.path.relpath(path, ROOT)}: {target}")
+            elif anchor and dest.endswith(".md"):
+                with open(dest, encoding="utf-8") as f:
+                    anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", f.read(), re.M)}
+                if anchor not in anchors:
+                    broken.append(f"{os.path.relpath(path, ROOT)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_no_reference_to_a_design_file_outside_the_repository():
+    name = "DESIGN" + ".md"
+    found = []
+    tops = ("README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs", "mcore_ckpt_fixes", "tests", "tools", "patches")
+    for top in tops:
+        base = os.path.join(ROOT, top)
+        paths = [base] if os.path.isfile(base) else [os.path.join(d, n) for d, _, ns in os.walk(base) for n in ns]
+        for p in paths:
+            if p.endswith((".py", ".md", ".txt", ".sh", ".json")):
+                with open(p, encoding="utf-8") as f:
+                    if name in f.read():
+                        found.append(os.path.relpath(p, ROOT))
+    assert found == []
