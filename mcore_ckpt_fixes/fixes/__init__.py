@@ -1,6 +1,6 @@
 """One package per fix (``fixes/<fix>/``), whose ``__init__`` defines ``FIX = Fix(...)``; the engine discovers them.
 
-ORDER only fixes the order ``status`` lists them in (DESIGN.md §1).
+ORDER only fixes the order ``status`` lists them in (that of the fix table in README.md).
 """
 
 ORDER = (

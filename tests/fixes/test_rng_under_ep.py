@@ -13,9 +13,9 @@ tensor: there is no CUDA here, and without the stand-in every tracker stream wou
 same state. Everything RNG-related that is checkpointed is compared: Python ``random``, NumPy, torch
 CPU, the (stand-in) CUDA generator and every stream of Megatron's RNG tracker.
 
-Checkpoint formats across the fix (DESIGN.md: formats move forward): an unfixed release's 2-D
-checkpoint loads with the fix, with a MegatronPatchWarning naming the old layout and the one copy it
-holds; a checkpoint written with the fix cannot have its RNG state read by an unfixed release (the
+Checkpoint formats across the fix (they move forward: a fixed load reads what an unfixed release
+wrote, never silently): an unfixed release's 2-D checkpoint loads with the fix, with a
+MegatronPatchWarning naming the old layout and the one copy it holds; a checkpoint written with the fix cannot have its RNG state read by an unfixed release (the
 shard shape is part of the stored key): it stops with the exact error asserted below, and
 ``--no-load-rng`` is the way past it.
 """

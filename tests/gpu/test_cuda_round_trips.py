@@ -7,7 +7,7 @@ were on a GPU. No CPU shims: the worker installs none where CUDA is available, s
 
 Backend: NCCL when there is a GPU per rank. NCCL refuses two ranks on one device, so on a
 single-GPU machine the ranks share GPU 0 over gloo (CUDA tensors, real CUDA calls; the collectives
-are gloo's). Which one ran is printed and recorded in docs/gpu-runs.md.
+are gloo's). Which one ran is printed; the runs are listed in docs/validation.md (GPU runs).
 
 Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
 """

@@ -1,7 +1,9 @@
 """dtensor-placement: describe a DTensor parameter to dist_checkpointing from its own mesh and placements.
 
-Affected: Megatron-Core 0.12.0 - 0.19.2 (still upstream; tracked here as issue #10, the
-``dist_checkpointing`` half of the expert-parallel placement bug behind DESIGN.md's seed case).
+Affected: Megatron-Core 0.12.0 - 0.19.2 (still upstream). This is the ``dist_checkpointing`` half of
+an expert-parallel placement bug whose ``fsdp_dtensor`` half is expert-keys: a DTensor's checkpoint
+description taken from a mesh other than its own, so that under EP a rank writes or reads another
+rank's expert shard.
 
 Failure prevented: ``make_tp_sharded_tensor_for_checkpoint`` and ``make_sharded_tensor_for_checkpoint``
 (``megatron/core/utils.py``) describe a DTensor parameter (torch FSDP2 ``fully_shard``, HSDP, a
@@ -54,7 +56,7 @@ FIX = Fix(
     summary="dist_checkpointing offsets of DTensor parameters come from their own mesh and placements, not the dense DP group",
     affected=">=0.12.0,<=0.19.2",
     upstream=(
-        "not fixed upstream as of 0.19.2; issue #10 (DESIGN.md §1, seed case)",
+        "not fixed upstream as of 0.19.2",
         "closest upstream: NVIDIA/Megatron-LM#4553 (Megatron-FSDP checkpoint fails with tensor and expert "
         "parallelism; fixed by NVIDIA/Megatron-LM#4664, which keeps the TP placement of split GDN tensors so they "
         "are not validated against a DP-only mesh). Same class of bug, DTensor checkpoint metadata taken from the "

@@ -112,7 +112,7 @@ FIX = Fix(
 
 def __getattr__(name):
     # handle_grouped_experts_in_state_dict is the documented entry point for callers that run the
-    # uneven-DTensor preprocessing themselves (README, docstring above): resolved on first use, so
+    # uneven-DTensor preprocessing themselves (docs/fixes/expert-keys.md, docstring above): resolved on first use, so
     # that importing the declaration imports none of the implementation.
     if name == "handle_grouped_experts_in_state_dict":
         from .upstream import handle_grouped_experts_in_state_dict

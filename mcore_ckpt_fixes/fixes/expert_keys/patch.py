@@ -277,7 +277,7 @@ _NEMO_GAP = (
     "NeMo 2's MegatronStrategy._get_fsdp_dtensor_state_dict preprocesses fsdp_dtensor checkpoints "
     "without handle_experts_in_state_dict: under expert parallelism its expert keys keep their "
     "EP-local indices and EP ranks overwrite each other's experts; mcore-ckpt-fixes does not cover "
-    "that path (README: Frameworks)"
+    "that path (docs/frameworks.md)"
 )
 
 

@@ -27,7 +27,7 @@ Megatron's ``_set_cuda_rng_state`` (its lazy call runs at once, on that generato
 ``torch.tensor(..., device="cuda")`` (``read_metadata`` all-reduces the iteration in one) makes a CPU
 tensor. Everything else (the tracker, seeding, ``get_rng_state``, save, load, restore) is the real
 code. With ``device="cuda"`` nothing is stood in for: the real CUDA generator is used (run on an
-H100, ranks sharing the GPU over gloo: docs/gpu-runs.md).
+H100, ranks sharing the GPU over gloo: docs/validation.md, GPU runs).
 """
 
 from __future__ import annotations
