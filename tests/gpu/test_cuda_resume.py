@@ -1,0 +1,32 @@
+"""The resume check on this machine's GPU (``pytest -m gpu``): the same configurations as on CPU, with
+no stand-in (the ranks run on CUDA over gloo, several may share one GPU; Megatron's FusedAdam path is
+whatever this installation provides). With the fixes every configuration resumes bit for bit; record
+the device and the result in docs/validation.md (GPU runs).
+
+Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
+"""
+
+import pytest
+
+from mcore_ckpt_fixes.resume import check as resume
+from mcore_ckpt_fixes.resume.configs import CONFIGS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_cuda_resume_exact_with_the_fixes(cfg, capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("pytest -m gpu was asked for, but CUDA is not available to this torch")
+    why = resume.not_applicable()
+    if why:
+        pytest.skip(f"not applicable: {why}")
+    resume.prepare()
+    out = resume.check(cfg, device="cuda")
+    with capsys.disabled():
+        print(f"\n{cfg.name} on {torch.cuda.get_device_name(0)}: on {out['on']['verdict']}, off {out['off']['verdict']}")
+    assert out["on"]["verdict"] == "exact", out["on"].get("error") or [r for r in out["on"]["ranks"] if not r["exact"]]
+    if out["needed_here"]:
+        assert out["off"]["verdict"] == "inexact", out["off"]
