@@ -47,6 +47,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         action="store_true",
         help="do not import the Megatron-Core modules the fixes target (their fixes stay 'pending')",
     )
+    p_status.add_argument(
+        "--known-bugs",
+        action="store_true",
+        help="list the catalogued checkpoint bugs that affect this Megatron-Core release instead, with their "
+        "status here (docs/known-bugs.md); with --json one object",
+    )
     p_self = sub.add_parser(
         "selftest",
         help="run every fix's checkpoint round trips on this stack, with the fix off and on",
@@ -96,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "status":
         from .cli.status import run as run_status
 
-        return run_status(as_json=args.json, import_targets_first=not args.no_import)
+        return run_status(as_json=args.json, import_targets_first=not args.no_import, known_bugs=args.known_bugs)
     if args.command == "selftest":
         if args.resume:
             from .cli.selftest_resume import run as run_resume

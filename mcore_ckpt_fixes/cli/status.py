@@ -30,7 +30,9 @@ def import_targets() -> None:
             ENGINE.mark_unimportable(fix_id, module, f"{type(exc).__name__}: {exc}")
 
 
-def run(as_json: bool, import_targets_first: bool) -> int:
+def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> int:
+    if known_bugs:
+        return run_known_bugs(as_json)
     if import_targets_first:
         import_targets()
     rows = mcore_ckpt_fixes.report()
@@ -48,4 +50,46 @@ def run(as_json: bool, import_targets_first: bool) -> int:
             # Every binding the fix covers in this process (Megatron's modules, frameworks' copies).
             for module, target in targets.items():
                 print(f"  {'':<{width}}    {module} ({target['package']}): {target['state']}")
+    bugs = _catalogue()
+    if bugs is None:
+        return 1
+    from mcore_ckpt_fixes.known_bugs import status_line
+
+    print(status_line(info.version, bugs))
+    return 0
+
+
+def _catalogue():
+    """The known-bugs catalogue, or None after one line on stderr when it is malformed (an edited
+    installation): the fixes' states above it are still printed."""
+    from mcore_ckpt_fixes.known_bugs import KnownBugsError, load
+
+    try:
+        return load()
+    except (KnownBugsError, OSError) as exc:
+        print(f"mcore-ckpt-fixes: {exc}", file=sys.stderr)
+        return None
+
+
+def run_known_bugs(as_json: bool) -> int:
+    """``status --known-bugs``: the catalogued bugs that affect this release (all of them when no
+    Megatron-Core is found), with the count per status."""
+    from mcore_ckpt_fixes import known_bugs
+
+    version = detect().version
+    bugs = _catalogue()
+    if bugs is None:
+        return 1
+    shown = bugs if version is None else known_bugs.affecting(version, bugs)
+    if as_json:
+        counts = None if version is None else known_bugs.summary(version, bugs)
+        out = {"megatron_core": None if version is None else str(version), "catalogued": len(bugs),
+               "summary": counts, "bugs": shown}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(known_bugs.status_line(version, bugs))
+    width = max((len(b["id"]) for b in shown), default=0)
+    for b in shown:
+        fix = f" by {b['fix']}" if "fix" in b else ""
+        print(f"  {b['id']:<{width}}  {b['status']}{fix}{'  (silent)' if b['silent'] else ''}")
     return 0

@@ -1,4 +1,4 @@
-"""The built wheel: console script, py.typed, and the opt-in ``.pth`` activation line."""
+"""The built wheel: console script, py.typed, the known-bugs catalogue, and the opt-in ``.pth`` activation line."""
 
 import os
 import subprocess
@@ -41,6 +41,7 @@ def test_wheel_contents(installed):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mcore_ckpt_fixes_auto.pth" in names
     assert "mcore_ckpt_fixes/py.typed" in names
+    assert "mcore_ckpt_fixes/known_bugs.json" in names  # read by status (package data)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "mcore-ckpt-fixes = mcore_ckpt_fixes.__main__:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
