@@ -71,14 +71,14 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     if info.source == "absent":
         print("mcore-ckpt-fixes selftest: Megatron-Core is not importable in this environment", file=sys.stderr)
         return 2
+    configs = resume.chosen(nproc=nproc)
+    if not configs:  # decided before anything heavy is imported
+        print(f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} ranks", file=sys.stderr)
+        return 2
     why = resume.not_applicable()
     torch_version, stack_skip = stack(device, None)
     if why or torch_version is None:
         print(f"mcore-ckpt-fixes selftest --resume: not applicable here: {why or stack_skip}", file=sys.stderr)
-        return 2
-    configs = resume.chosen(nproc=nproc)
-    if not configs:
-        print(f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} ranks", file=sys.stderr)
         return 2
     set_aside = set_aside_user_flags()
     if set_aside:

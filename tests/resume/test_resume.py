@@ -127,3 +127,14 @@ def test_not_applicable_without_megatron_training():
     proc = run_cli(["selftest", "--resume"])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "not applicable here: megatron.training does not import" in proc.stderr
+
+
+def test_selftest_resume_bad_nproc_is_one_line_exit_2():
+    """No configuration for that world size: one clear line, exit 2, nothing run (where the check runs)."""
+    _needs_training()
+    from conftest import run_cli
+
+    proc = run_cli(["selftest", "--resume", "--nproc", "3"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mcore-ckpt-fixes selftest --resume: no configuration runs on 3 ranks"
+    assert proc.stdout == ""
