@@ -151,7 +151,7 @@ def in_place(fix_id, modules):
 def fix_first(fix_id):
     """The fix first (nothing heavy imported), Megatron after: the hooks apply it; a spawn child
     (as Megatron's async checkpoint writer starts) sees the same state and the same changes."""
-    import mcore_ckpt_fixes
+    import mcore_ckpt_fixes  # noqa: F401  (the import itself installs the hooks under test)
 
     assert "torch" not in sys.modules and "megatron" not in sys.modules
     assert state(fix_id) in ("pending", "not-applicable"), state(fix_id)
