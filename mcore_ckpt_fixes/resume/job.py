@@ -31,6 +31,7 @@ import dataclasses
 import io
 import random
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -248,7 +249,12 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         dist.barrier()
         return out  # the stopped run's state is not compared: the resumed run's is
     else:
-        iteration, _ = load_checkpoint([model], optimizer, scheduler)
+        # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
+        # the check across releases reports what each load said.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            iteration, _ = load_checkpoint([model], optimizer, scheduler)
+        out["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
         out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
