@@ -57,4 +57,5 @@ def rank_verdict(uninterrupted: dict, resumed: dict) -> dict:
         "differ": names[:SHOWN],
         "differ_all": names,
         "n_compared": len(resumed["state"]) + len(steps),
+        "load_warnings": list(resumed.get("load_warnings", [])),
     }
