@@ -8,16 +8,16 @@ it in the unpickler's memo, which keeps every intermediate tuple and state dict 
 
 This reader keeps only what the doctor uses: each tensor's shape and chunk boxes (``(offsets,
 sizes)`` tuples, equal boxes shared), each data file's extent and the byte objects' ranges. It is a
-small pickle machine of its own (protocol 4 and 5, as DCP writes them): every global goes through
-the same allow-list (safe_pickle.find_safe_global) and nothing named by the file is imported or
-called, except the allow-listed stand-ins, exactly as with safe_pickle. The repeated units (a chunk;
-a storage entry of a tensor chunk; a ``WriteItem`` of the ``all_local_plans`` that Megatron-Core's
-torch_dist save keeps in the index) are matched many at a time by regular expressions built from
-the memo references the machine has seen (the class, the field names, ``torch.Size``), and decoded
-from the matched bytes. The expressions admit references, ints, ``None``/bools, names (each checked
-against its length byte) and ``torch.Size`` by its reference: no global, no other call, so what they
-step over cannot hide one. A unit in any other spelling is run through the machine one opcode at a
-time.
+small pickle machine of its own (protocol 4 and 5, as DCP writes them; its opcodes in
+:mod:`.dcp_scan_ops`): every global goes through the same allow-list (safe_pickle.find_safe_global)
+and nothing named by the file is imported or called, except the allow-listed stand-ins, exactly as
+with safe_pickle. The repeated units (a chunk; a storage entry of a tensor chunk; a ``WriteItem`` of
+the ``all_local_plans`` that Megatron-Core's torch_dist save keeps in the index) are matched many at
+a time by regular expressions built from the memo references the machine has seen (the class, the
+field names, ``torch.Size``), and decoded from the matched bytes. The expressions admit references,
+ints, ``None``/bools, names (each checked against its length byte) and ``torch.Size`` by its
+reference: no global, no other call, so what they step over cannot hide one. A unit in any other
+spelling is run through the machine one opcode at a time.
 Anything it does not know (another protocol, an opcode outside the list, a memo reference it did
 not keep) raises :class:`Fallback`, and the caller uses safe_pickle instead: slower, same answer.
 """
@@ -34,10 +34,7 @@ from operator import add, eq, itemgetter, mul, rshift
 from typing import Dict, List, Optional, Tuple
 
 from . import safe_pickle
-
-
-class Fallback(Exception):
-    """This file is outside what the stream reader handles: use the allow-list unpickler."""
+from .dcp_scan_ops import OPS, Fallback, _Rec
 
 
 class TensorMeta:
@@ -64,15 +61,6 @@ class Index:
 
     def __init__(self, sdm, ends, objects):
         self.state_dict_metadata, self.ends, self.objects = sdm, ends, objects
-
-
-class _Rec:
-    """A DCP dataclass read by the machine: its class name and pickled state."""
-
-    __slots__ = ("name", "state")
-
-    def __init__(self, name):
-        self.name, self.state = name, None
 
 
 _DCP_MD = "torch.distributed.checkpoint.metadata."
@@ -241,178 +229,32 @@ class _Machine:
 
     # -- the machine --------------------------------------------------------------------------
     def run(self) -> Index:
-        buf, stack, marks = self.buf, [], []
+        """Run the opcodes up to STOP, each through its handler in ``dcp_scan_ops.OPS`` (which
+        returns where the next opcode starts); the repeated units go many at a time (:meth:`_fetch`)."""
+        buf, stack, marks, ops = self.buf, [], [], OPS
         pos, end = 0, len(buf)
-        unpack_from = struct.unpack_from
         while True:
             if pos >= end:
                 raise EOFError("pickle data was truncated")
             op = buf[pos]
-            pos += 1
-            if op == 0x94:  # MEMOIZE
-                self._memoize(stack[-1])
-            elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET
-                if op == 0x68:
-                    idx = buf[pos]
-                    npos = pos + 1
-                else:
-                    idx = unpack_from("<I", buf, pos)[0]
-                    npos = pos + 4
-                obj = self._get(idx)
-                if isinstance(obj, type) and issubclass(obj, (safe_pickle.FastStub, safe_pickle.Stub)):
-                    name = obj._name
-                    if name == _DCP_MD + "ChunkStorageMetadata":
-                        hot = self._chunk_run(pos - 1, stack)
-                    elif name == _DCP_MD + "MetadataIndex":
-                        hot = self._storage_run(pos - 1)
-                    elif name == _DCP_PLANNER + "WriteItem":
-                        hot = self._write_item_run(pos - 1, stack)
-                    else:
-                        hot = 0
-                    if hot:
-                        pos = hot
-                        continue
-                stack.append(obj)
-                pos = npos
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                n = buf[pos]
-                stack.append(bytes(buf[pos + 1:pos + 1 + n]).decode("utf-8", "surrogatepass"))
-                pos += 1 + n
-            elif op == 0x58:  # BINUNICODE
-                n = unpack_from("<I", buf, pos)[0]
-                stack.append(bytes(buf[pos + 4:pos + 4 + n]).decode("utf-8", "surrogatepass"))
-                pos += 4 + n
-            elif op == 0x8D:  # BINUNICODE8
-                n = unpack_from("<Q", buf, pos)[0]
-                stack.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", "surrogatepass"))
-                pos += 8 + n
-            elif op == 0x4B:  # BININT1
-                stack.append(buf[pos])
-                pos += 1
-            elif op == 0x4D:  # BININT2
-                stack.append(unpack_from("<H", buf, pos)[0])
-                pos += 2
-            elif op == 0x4A:  # BININT
-                stack.append(unpack_from("<i", buf, pos)[0])
-                pos += 4
-            elif op == 0x8A:  # LONG1
-                n = buf[pos]
-                stack.append(int.from_bytes(buf[pos + 1:pos + 1 + n], "little", signed=True))
-                pos += 1 + n
-            elif op == 0x8B:  # LONG4
-                n = unpack_from("<i", buf, pos)[0]
-                if n < 0 or n > 1 << 20:
-                    raise Fallback("LONG4")
-                stack.append(int.from_bytes(buf[pos + 4:pos + 4 + n], "little", signed=True))
-                pos += 4 + n
-            elif op == 0x47:  # BINFLOAT
-                stack.append(unpack_from(">d", buf, pos)[0])
-                pos += 8
-            elif op == 0x4E:  # NONE
-                stack.append(None)
-            elif op == 0x88:
-                stack.append(True)
-            elif op == 0x89:
-                stack.append(False)
-            elif op == 0x28:  # MARK
-                marks.append(len(stack))
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append([])
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op == 0x8F:  # EMPTY_SET
-                stack.append(set())
-            elif op == 0x85:
-                stack[-1] = (stack[-1],)
-            elif op == 0x86:
-                stack[-2:] = [tuple(stack[-2:])]
-            elif op == 0x87:
-                stack[-3:] = [tuple(stack[-3:])]
-            elif op == 0x74:  # TUPLE
-                k = marks.pop()
-                stack[k:] = [tuple(stack[k:])]
-            elif op == 0x75:  # SETITEMS
-                k = marks.pop()
-                d = stack[k - 1]
-                items = stack[k:]
-                del stack[k:]
-                for i in range(0, len(items), 2):
-                    d[items[i]] = items[i + 1]
-            elif op == 0x73:  # SETITEM
-                v = stack.pop()
-                key = stack.pop()
-                stack[-1][key] = v
-            elif op == 0x65:  # APPENDS
-                k = marks.pop()
-                stack[k - 1].extend(stack[k:])
-                del stack[k:]
-            elif op == 0x61:  # APPEND
-                v = stack.pop()
-                stack[-1].append(v)
-            elif op == 0x90:  # ADDITEMS
-                k = marks.pop()
-                stack[k - 1].update(stack[k:])
-                del stack[k:]
-            elif op == 0x91:  # FROZENSET
-                k = marks.pop()
-                stack[k:] = [frozenset(stack[k:])]
-            elif op == 0x43:  # SHORT_BINBYTES
-                n = buf[pos]
-                stack.append(bytes(buf[pos + 1:pos + 1 + n]))
-                pos += 1 + n
-            elif op == 0x42:  # BINBYTES
-                n = unpack_from("<I", buf, pos)[0]
-                stack.append(bytes(buf[pos + 4:pos + 4 + n]))
-                pos += 4 + n
-            elif op == 0x93:  # STACK_GLOBAL
-                name = stack.pop()
-                module = stack.pop()
-                if type(module) is not str or type(name) is not str:
-                    raise Fallback("STACK_GLOBAL of non-strings")
-                stack.append(safe_pickle.find_safe_global(module, name))
-                if pos < end and buf[pos] == 0x94:  # memoized next: where later references find it
-                    self.rev.setdefault(("g", module, name), self.next_memo)
-            elif op == 0x52:  # REDUCE
-                args = stack.pop()
-                func = stack[-1]
-                if not callable(func) or type(args) is not tuple:
-                    raise Fallback("REDUCE")
-                if isinstance(func, type) and issubclass(func, safe_pickle.FastStub):
-                    raise Fallback("REDUCE of a DCP dataclass")
-                stack[-1] = func(*args)  # an allow-listed stand-in (safe_pickle), as the C unpickler calls it
-            elif op == 0x81:  # NEWOBJ
-                args = stack.pop()
-                cls = stack[-1]
-                stack[-1] = self._new(cls, args)
-            elif op == 0x62:  # BUILD
-                state = stack.pop()
-                inst = stack[-1]
-                if type(inst) is _Rec:
-                    inst.state = state
-                    self._learn(inst)
-                else:
-                    setstate = getattr(inst, "__setstate__", None)
-                    if setstate is None or not isinstance(inst, safe_pickle.Stub):
-                        raise Fallback("BUILD of a non-stub")
-                    setstate(state)
-            elif op == 0x30:  # POP
-                if marks and marks[-1] == len(stack):
-                    marks.pop()
-                else:
-                    stack.pop()
-            elif op == 0x31:  # POP_MARK
-                k = marks.pop()
-                del stack[k:]
-            elif op == 0x32:  # DUP
-                stack.append(stack[-1])
-            elif op == 0x2E:  # STOP
+            if op == 0x2E:  # STOP
                 if len(stack) != 1 or marks:
                     raise Fallback("STOP with a bad stack")
                 return self._finish(stack[0])
-            else:
-                raise Fallback(f"opcode {op:#x}")
+            pos = ops[op](self, buf, pos + 1, stack, marks)
+
+    def _fetch(self, idx: int, at: int, after: int, stack) -> int:
+        """The memo reference at ``at`` (its operand ends at ``after``): a DCP class whose units
+        repeat starts a hot run where they match (many units at once: returns where the run ends);
+        anything else is pushed."""
+        obj = self._get(idx)
+        if isinstance(obj, type) and issubclass(obj, (safe_pickle.FastStub, safe_pickle.Stub)):
+            hot_run = _HOT_RUNS.get(obj._name)
+            hot = hot_run(self, at, stack) if hot_run is not None else 0
+            if hot:
+                return hot
+        stack.append(obj)
+        return after
 
     def _new(self, cls, args):
         if not isinstance(cls, type) or type(args) is not tuple:
@@ -500,9 +342,10 @@ class _Machine:
         stack.extend(boxes)
         return m.end()
 
-    def _storage_run(self, pos: int) -> int:
+    def _storage_run(self, pos: int, stack) -> int:
         """Match consecutive storage entries of tensor chunks (MetadataIndex with an offset ->
-        _StorageInfo) at ``pos``; fold them into the data files' extents; return the end."""
+        _StorageInfo) at ``pos``; fold them into the data files' extents (``stack`` gets nothing:
+        the entries leave the index's ``storage_data``); return the end."""
         if self.mi_keys is None or self.si_keys is None:
             return 0
         buf = self.buf
@@ -697,3 +540,11 @@ class _Machine:
             if ks.get("offset") is None and not st.get("transform_descriptors"):
                 objects.setdefault(rel, []).append((offset, length, str(ks.get("fqn", "?"))))
         return Index(sdm, ends, objects)
+
+
+_HOT_RUNS = {  # class (as safe_pickle names its stand-in) -> the matcher of its repeated units
+    _DCP_MD + "ChunkStorageMetadata": _Machine._chunk_run,
+    _DCP_MD + "MetadataIndex": _Machine._storage_run,
+    _DCP_PLANNER + "WriteItem": _Machine._write_item_run,
+}
+

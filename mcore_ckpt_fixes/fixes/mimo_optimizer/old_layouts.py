@@ -172,6 +172,109 @@ def _mimo_recover_common_state(loaded, lost):
     return recovered
 
 
+def _mimo_module_items(sharded_state_dict):
+    """{module: [(path, item)]} of the MIMO optimizer's sharded items (keys ``mimo.<module>.<key>``)."""
+    import re
+
+    modules = {}
+    mimo_key = re.compile(r"mimo\.([^.]+)\.")
+    for path, item in _mimo_sharded_leaves(sharded_state_dict):
+        match = mimo_key.match(item.key) if item.key.startswith("mimo.") else None
+        if match:
+            modules.setdefault(match.group(1), []).append((path, item))
+    return modules
+
+
+def _mimo_old_layout_modules(modules, names):
+    """{module: [(path, item renamed)]} for each module saved in the unprefixed layout of unfixed
+    0.17/0.18: none of its ``mimo.<module>.`` names in the checkpoint, some unprefixed one there."""
+    import dataclasses
+
+    old = {}
+    for module, items in modules.items():
+        prefix = f"mimo.{module}."
+        if any(name.startswith(prefix) for name in names):
+            continue  # the current layout: nothing to rename for this module
+        renamed = [(path, dataclasses.replace(item, key=item.key[len(prefix):])) for path, item in items]
+        if any(_mimo_stored_name(item) in names for _, item in renamed):
+            old[module] = renamed
+    return old
+
+
+def _mimo_lost_common_states(modules, old, names):
+    """(path, module, request's entries) of each module's common-state object the checkpoint lacks."""
+    lost = []
+    for module, items in modules.items():
+        for path, item in old.get(module, items):
+            field = str(path[-1]).split(".")[0]
+            if field == _MIMO_COMMON_FIELD and _mimo_stored_name(item) not in names:
+                lost.append((path, module, item.data))
+    return lost
+
+
+def _mimo_old_layout_request(sharded_state_dict, old, lost, names):
+    """(request, missing): a copy of the request that asks for the old layout's names and not for
+    what the checkpoint lacks; ``missing``: (path, module, value requested) of the plain objects
+    the old layout did not store."""
+    request = _mimo_copy_containers(sharded_state_dict)
+    missing = []
+    for module, renamed in old.items():
+        for path, item in renamed:
+            field = str(path[-1]).split(".")[0]
+            if field in _MIMO_PLAIN_FIELDS and _mimo_stored_name(item) not in names:
+                missing.append((path, module, item.data))
+            else:
+                _mimo_set(request, path, item)
+    for path in [m[0] for m in missing] + [m[0] for m in lost]:
+        del _mimo_get(request, path[:-1])[path[-1]]
+    return request, missing
+
+
+def _mimo_fill_missing(loaded, missing):
+    """Put each missing plain value the common state did not bring back into ``loaded``; returns
+    the texts naming what was assumed."""
+    assumed = []
+    for path, module, value in missing:
+        parent = loaded
+        for key in path[:-1]:
+            parent = parent.setdefault(key, {}) if isinstance(parent, dict) else parent[key]
+        plain = _MIMO_PLAIN_FIELDS[str(path[-1]).split(".")[0]]
+        holder = parent
+        for key in plain[:-1]:
+            holder = holder.get(key, {}) if isinstance(holder, dict) else {}
+        if isinstance(holder, dict) and plain[-1] in holder:
+            continue  # the common state had it (the module on global rank 0)
+        parent[path[-1]] = value
+        assumed.append(f"{module}.{plain[-1]} = {value!r}")
+    return assumed
+
+
+def _mimo_old_layout_warning(checkpoint_dir, old, assumed):
+    text = (
+        f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
+        f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
+        f"read from those keys"
+    )
+    if assumed:
+        text += (
+            "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
+            "writes), so taken from this load's request, whose keys the checkpoint has: "
+            + ", ".join(assumed)
+        )
+    return text + "; the next save writes the current layout"
+
+
+def _mimo_lost_common_state_warning(checkpoint_dir, recovered):
+    modules_here = sorted({name.split(".")[0] for name in recovered})
+    return (
+        f"{checkpoint_dir} holds no per-module common state for the MIMO optimizer module(s) "
+        f"{', '.join(modules_here)} (saved without it: by Megatron-Core 0.17-0.19.2, patched by an "
+        f"earlier mcore_ckpt_fixes or not): a module's plain optimizer state is only in the common "
+        f"state, which global rank 0 writes, so theirs is not in the checkpoint; in its place: "
+        + ", ".join(recovered) + "; the next save writes the current layout"
+    )
+
+
 def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
     """(request, finish): what ``dist_checkpointing.load`` should ask for, and ``finish(loaded)``,
     which completes the loaded state dict and returns the warnings to give (a list, maybe empty).
@@ -186,84 +289,24 @@ def align_mimo_optimizer_request(sharded_state_dict, checkpoint_dir):
     asked for; what it would have held is recovered where the checkpoint allows, with a warning
     naming each value (:func:`_mimo_recover_common_state`). The caller's dict is left as built.
     """
-    import dataclasses
-    import re
-
-    modules = {}
-    mimo_key = re.compile(r"mimo\.([^.]+)\.")
-    for path, item in _mimo_sharded_leaves(sharded_state_dict):
-        match = mimo_key.match(item.key) if item.key.startswith("mimo.") else None
-        if match:
-            modules.setdefault(match.group(1), []).append((path, item))
+    modules = _mimo_module_items(sharded_state_dict)
     if not modules:
         return sharded_state_dict, lambda loaded: []
     names = _mimo_checkpoint_names(checkpoint_dir)
-    old = {}
-    for module, items in modules.items():
-        prefix = f"mimo.{module}."
-        if any(name.startswith(prefix) for name in names):
-            continue  # the current layout: nothing to rename for this module
-        renamed = [(path, dataclasses.replace(item, key=item.key[len(prefix):])) for path, item in items]
-        if any(_mimo_stored_name(item) in names for _, item in renamed):
-            old[module] = renamed
-    lost = []  # (path, module, request's entries): common-state objects the checkpoint lacks
-    for module, items in modules.items():
-        for path, item in old.get(module, items):
-            field = str(path[-1]).split(".")[0]
-            if field == _MIMO_COMMON_FIELD and _mimo_stored_name(item) not in names:
-                lost.append((path, module, item.data))
+    old = _mimo_old_layout_modules(modules, names)
+    lost = _mimo_lost_common_states(modules, old, names)
     if not old and not lost:
         return sharded_state_dict, lambda loaded: []  # the current layout, or unknown: load reports it
-    request = _mimo_copy_containers(sharded_state_dict)
-    missing = []  # (path, module, value requested) for objects the old layout did not store
-    for module, renamed in old.items():
-        for path, item in renamed:
-            field = str(path[-1]).split(".")[0]
-            if field in _MIMO_PLAIN_FIELDS and _mimo_stored_name(item) not in names:
-                missing.append((path, module, item.data))
-            else:
-                _mimo_set(request, path, item)
-    for path in [m[0] for m in missing] + [m[0] for m in lost]:
-        del _mimo_get(request, path[:-1])[path[-1]]
+    request, missing = _mimo_old_layout_request(sharded_state_dict, old, lost, names)
 
     def finish(loaded):
         texts = []
-        assumed = []
-        for path, module, value in missing:
-            parent = loaded
-            for key in path[:-1]:
-                parent = parent.setdefault(key, {}) if isinstance(parent, dict) else parent[key]
-            plain = _MIMO_PLAIN_FIELDS[str(path[-1]).split(".")[0]]
-            holder = parent
-            for key in plain[:-1]:
-                holder = holder.get(key, {}) if isinstance(holder, dict) else {}
-            if isinstance(holder, dict) and plain[-1] in holder:
-                continue  # the common state had it (the module on global rank 0)
-            parent[path[-1]] = value
-            assumed.append(f"{module}.{plain[-1]} = {value!r}")
+        assumed = _mimo_fill_missing(loaded, missing)
         if old:
-            text = (
-                f"{checkpoint_dir} holds the MIMO optimizer state of module(s) {', '.join(sorted(old))} in the "
-                f"layout of an unfixed Megatron-Core 0.17/0.18 (keys without the 'mimo.<module>.' prefix); "
-                f"read from those keys"
-            )
-            if assumed:
-                text += (
-                    "; not stored there (0.17 keeps it in the common state, which only global rank 0 "
-                    "writes), so taken from this load's request, whose keys the checkpoint has: "
-                    + ", ".join(assumed)
-                )
-            texts.append(text + "; the next save writes the current layout")
+            texts.append(_mimo_old_layout_warning(checkpoint_dir, old, assumed))
         recovered = _mimo_recover_common_state(loaded, lost) if isinstance(loaded, dict) else []
         if recovered:
-            modules_here = sorted({name.split(".")[0] for name in recovered})
-            texts.append(
-                f"{checkpoint_dir} holds no per-module common state for the MIMO optimizer module(s) "
-                f"{', '.join(modules_here)} (saved without it: by Megatron-Core 0.17-0.19.2, patched by an "
-                f"earlier mcore_ckpt_fixes or not): a module's plain optimizer state is only in the common "
-                f"state, which global rank 0 writes, so theirs is not in the checkpoint; in its place: "
-                + ", ".join(recovered) + "; the next save writes the current layout"
-            )
+            texts.append(_mimo_lost_common_state_warning(checkpoint_dir, recovered))
         return texts
 
     return request, finish
