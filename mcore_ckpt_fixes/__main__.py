@@ -34,7 +34,7 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _build_parser() -> "_Parser":
     parser = _Parser(
         prog="mcore-ckpt-fixes",
         description="Fixes for Megatron-Core distributed checkpointing: see which apply here.",
@@ -90,6 +90,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="also compare the sha256 digests of Megatron-Core's integrity manifest (integrity.json): reads every "
         "byte of every listed file (without it the doctor reads metadata only)",
     )
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
