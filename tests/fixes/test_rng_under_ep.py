@@ -88,6 +88,22 @@ def _ok(results):
 # -- registry, status, engine ------------------------------------------------------------------------
 
 
+def test_state_delta_tells_a_cached_gaussian_from_none():
+    """Python ``random`` caches the second value of ``gauss()``; a rank resumed with or without it
+    draws different numbers next, so two states that differ only there must compare different."""
+    import random
+
+    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+
+    gen = random.Random(7)
+    gen.gauss(0.0, 1.0)
+    cached = gen.getstate()
+    none = (cached[0], cached[1], None)
+    assert cached[2] is not None
+    assert delta(cached, none) != 0.0 and delta(none, cached) != 0.0
+    assert delta(cached, cached) == 0.0 and delta(none, none) == 0.0
+
+
 def test_registered_scenario():
     (s,) = for_fix(FIX.id)
     assert (s.name, s.func, s.nproc, s.bug.kind) == ("ep2_round_trip", f"{SC}:ep2_round_trip", 2, "wrong-values")

@@ -262,23 +262,29 @@ def snapshot():
 
 
 def _flat(value):
+    """(numbers, marks): an RNG state as float64 numbers (exact: every entry is a 32-bit word, a
+    position, a flag or a float), and what is not a number. Python ``random``'s cached Gaussian is
+    ``None`` when there is none: a mark, never NaN, so that a state holding one and a state holding
+    none compare different."""
     if isinstance(value, torch.Tensor):
-        return value.to(torch.float64).numpy().ravel()
+        return value.to(torch.float64).numpy().ravel(), ()
     if isinstance(value, tuple) and value and value[0] == "MT19937":  # NumPy
         keys, pos, has_gauss, cached = value[1], value[2], value[3], value[4]
-        return np.concatenate([np.asarray(keys, dtype=np.float64), [pos, has_gauss, cached]])
+        return np.concatenate([np.asarray(keys, dtype=np.float64), [pos, has_gauss, cached]]), ()
     version, internal, gauss = value  # Python's random
-    return np.array([version, *internal, np.nan if gauss is None else gauss], dtype=np.float64)
+    numbers = [version, *internal] + ([] if gauss is None else [gauss])
+    return np.array(numbers, dtype=np.float64), (gauss is None,)
 
 
 def delta(a, b) -> float:
-    """Largest absolute difference between two RNG states (0.0: identical; inf: incomparable)."""
-    fa, fb = _flat(a), _flat(b)
-    if fa.shape != fb.shape:
+    """Largest absolute difference between two RNG states (0.0: identical; inf: incomparable, e.g.
+    one holds a cached Gaussian and the other none)."""
+    (fa, ma), (fb, mb) = _flat(a), _flat(b)
+    if ma != mb or fa.shape != fb.shape:
         return float("inf")
-    if np.array_equal(fa, fb, equal_nan=True):
+    if np.array_equal(fa, fb):
         return 0.0
-    return float(np.nanmax(np.abs(fa - fb)))
+    return float(np.max(np.abs(fa - fb)))
 
 
 def deltas(saved, loaded) -> dict:
