@@ -144,9 +144,23 @@ def test_bug_judgement():
     assert not raises.seen_in([hit, exact]) and not raises.seen_in([hit, None]) and not raises.seen_in([])
     assert not raises.seen_in([dict(hit, error="AssertionError: x and more"), hit])  # exact text only
     wrong = Bug.wrong_values()
-    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5}}
+    # digests: per tensor, (what this rank saved, what it loaded), part by part.
+    exact = dict(exact, digests={"w": (["r0"], ["r0"])})
+    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5},
+                   "digests": {"w": (["r1"], ["r0"])}}
     assert wrong.seen_in([exact, other_shard])  # one rank reading another's shard is enough
     assert not wrong.seen_in([exact, exact]) and not wrong.seen_in([hit, other_shard])
+    # Not the documented bug: a value no rank saved, another shape (inf), NaN, nothing to tell whose.
+    unrelated = dict(other_shard, digests={"w": (["r1"], ["zeros"])})
+    other_shape = dict(other_shard, max_delta={"w": float("inf")})
+    nan = dict(other_shard, max_delta={"w": float("nan")})
+    assert not any(wrong.seen_in([exact, r]) for r in (unrelated, other_shape, nan, dict(other_shard, digests={})))
+    # A fused tensor whose components come from different ranks: each part is judged.
+    parts = {"phase": "compare", "error": "x", "max_delta": {"w": 0.5}, "digests": {"w": (["a1", "b1"], ["a0", "b1"])}}
+    fused = {"phase": "compare", "error": "x", "max_delta": {"w": 0.5}, "digests": {"w": (["a0", "b0"], ["a0", "b1"])}}
+    assert wrong.seen_in([fused, parts])
+    assert not wrong.seen_in([fused, dict(parts, digests={"w": (["a1", "b1"], ["a0", "c"])})])
+    assert not wrong.seen_in([exact, dict(other_shard, max_delta={"w": 0.5, "v": 0.25})])  # "v": whose? unknown
 
 
 @pytest.mark.gpu
