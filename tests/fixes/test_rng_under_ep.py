@@ -428,6 +428,7 @@ def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
     """What an unfixed release wrote: the fixed load restores the shared copy, as the unfixed load
     does (the same values on both ranks), and says so, naming the old layout."""
     d, saved = fsdp_old_ckpt
+    _ranks_differ(saved)
     fixed = _ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))
     unfixed = _world("load_only", False, d, ckpt_format="fsdp_dtensor")
     for rank, (r, u) in enumerate(zip(fixed, unfixed)):
@@ -436,6 +437,12 @@ def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and FSDP_OLD_LAYOUT in w, w
         assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
         assert u["error"] is None and _same(r["loaded"], u["loaded"]), rank
+        # The shared copy is what was saved: every component one of the two ranks' saved states,
+        # restored from the checkpoint, not the fresh states kept.
+        for k in COMPONENTS:
+            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
+        assert not _same(r["loaded"], r["before"]), rank
+    assert _same(fixed[0]["loaded"], fixed[1]["loaded"])  # one copy, on both ranks
 
 
 def test_fsdp_dtensor_new_layout_loads_after_restart_and_on_an_unfixed_release(fsdp_new_ckpt):
