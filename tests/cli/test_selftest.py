@@ -167,7 +167,8 @@ def test_bug_judgement():
 def test_selftest_cuda(mcore_version):
     """``--device cuda`` on a machine with at least two GPUs (NCCL, spawned ranks).
 
-    Not run on this project's CPU-only hosts: the CUDA path of the scenarios is untested there.
+    Not run on this project's CPU-only hosts: the CUDA path of the scenarios is untested there
+    (tests/test_gpu_collection.py checks there that this test is collected and its fixtures resolve).
     """
     import torch
 
