@@ -15,6 +15,15 @@ def max_abs_delta(expected, got) -> float:
     return float((expected.detach().cpu().double() - got.detach().cpu().double()).abs().max())
 
 
+def worst(deltas) -> float:
+    """The largest of ``deltas`` (0.0 for none); NaN when any is NaN: Python's ``max()`` keeps or
+    drops a NaN depending on where it stands, so a NaN loaded after an exact tensor read as 0.0."""
+    deltas = list(deltas)
+    if any(d != d for d in deltas):
+        return float("nan")
+    return max(deltas, default=0.0)
+
+
 def digest(tensor) -> str:
     """A fingerprint of a tensor's dtype, shape and bytes: equal digests, equal tensors. Lets the
     judgement of a world (which sees every rank's result, never a tensor) tell whose values a rank

@@ -163,6 +163,19 @@ def test_bug_judgement():
     assert not wrong.seen_in([exact, dict(other_shard, max_delta={"w": 0.5, "v": 0.25})])  # "v": whose? unknown
 
 
+def test_nan_is_never_the_largest_delta_dropped():
+    """A NaN loaded after an exact tensor: Python's max() would report 0.0 for the rank."""
+    from mcore_ckpt_fixes.cli.selftest_judge import is_exact, rank_rows
+    from mcore_ckpt_fixes.testing.compare import worst
+    from mcore_ckpt_fixes.testing.launcher import RankResult
+
+    nan = float("nan")
+    assert worst([0.0, nan]) != worst([0.0, nan]) and worst([nan, 0.0]) != worst([nan, 0.0])
+    assert worst([0.0, 0.5, float("inf")]) == float("inf") and worst([]) == 0.0
+    (row,) = rank_rows([RankResult(0, True, {"error": None, "phase": None, "n_tensors": 2, "max_delta": {"a": 0.0, "b": nan}})])
+    assert row["max_delta"] != row["max_delta"] and not is_exact(row), row
+
+
 @pytest.mark.gpu
 def test_selftest_cuda(mcore_version):
     """``--device cuda`` on a machine with at least two GPUs (NCCL, spawned ranks).

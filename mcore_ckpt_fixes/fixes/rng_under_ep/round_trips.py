@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
+from ...testing.compare import max_abs_delta, worst
 from ...testing.result import RoundTrip
 from ...testing.states import fix_states
 from . import ID as FIX_ID
@@ -416,7 +416,7 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
 def compare_exact(rt, saved, loaded, saved_model, after_model):
     """Record and assert: every RNG component and every model tensor back exactly as saved."""
     rt.phase("compare")
-    rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
+    rt["model_max_delta"] = worst(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
     rt["saved"], rt["loaded"] = saved, loaded
     rt["n_tensors"] = len(saved)
     # RNG states are not all tensors (Python's and NumPy's are tuples): compared with delta().
