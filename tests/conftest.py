@@ -65,11 +65,13 @@ def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subproce
     )
 
 
-def run_cli(args: list, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it."""
+def run_cli(args: list, env: dict | None = None, timeout: float = 300, preexec_fn=None) -> subprocess.CompletedProcess:
+    """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it (``preexec_fn``:
+    run in the child before it starts Python, e.g. to take privileges away)."""
     full_env = _child_env([ROOT], env)
     return subprocess.run(
-        [sys.executable, "-m", "mcore_ckpt_fixes", *args], env=full_env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "mcore_ckpt_fixes", *args], env=full_env, capture_output=True, text=True, timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -5,6 +5,8 @@ Reads what :mod:`.selftest_run` collected; :mod:`.selftest_render` prints it.
 
 from __future__ import annotations
 
+from ..testing.compare import worst
+
 NEEDED_BY_STATE = {"applied": True, "not-needed": False, "not-applicable": False}
 
 
@@ -43,7 +45,7 @@ def rank_rows(results):
             "ok": True,
             "error": v.get("error"),
             "phase": v.get("phase"),
-            "max_delta": max(deltas.values()) if deltas else None,
+            "max_delta": worst(deltas.values()) if deltas else None,
             "n_tensors": v.get("n_tensors", 0),
             "fix_state": v.get("fix_state"),
             "device": v.get("device"),

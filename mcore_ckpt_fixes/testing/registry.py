@@ -5,14 +5,16 @@ every rank of a world started by :mod:`mcore_ckpt_fixes.testing.launcher`. It re
 :class:`mcore_ckpt_fixes.testing.result.RoundTrip` records: ``error`` (the first failure as
 ``"Type: message"``, ``None`` when the round trip completed), ``phase`` (where it happened),
 ``max_delta`` (the largest absolute difference per tensor between what was saved and what was
-loaded), ``n_tensors`` and ``fix_state``, plus what the scenario adds.
+loaded), ``digests`` (per tensor: fingerprints of what was saved and what was loaded, part by part,
+so that a world's judgement can tell whose values a rank loaded), ``n_tensors`` and ``fix_state``,
+plus what the scenario adds.
 
 Each fix declares its scenarios in ``mcore_ckpt_fixes/fixes/<fix>/scenarios.py`` as a tuple
 ``SCENARIOS`` of :class:`Scenario`; :func:`for_fix` and :func:`all_scenarios` find them through the
 engine's discovery, so adding a fix edits no shared list. A :class:`Scenario` says how to read the
 fix-off half on a release the fix is needed for (its :class:`Bug`: the documented error, exactly,
-or wrong values after load). On a release that does not need the fix, both halves must round-trip
-exactly.
+or another rank's values after load). On a release that does not need the fix, both halves must
+round-trip exactly.
 
 This module imports nothing heavy (no torch, no megatron): ``selftest`` reads the declarations
 before deciding what to run; scenario functions and ``prepare`` hooks are named as strings and
@@ -22,6 +24,7 @@ imported only when they run.
 from __future__ import annotations
 
 import importlib
+import math
 
 __all__ = ["Bug", "Scenario", "all_scenarios", "for_fix", "resolve"]
 
@@ -30,7 +33,10 @@ class Bug:
     """What the fix-off half shows on a release that needs the fix.
 
     ``Bug.raises(phase, error)``: every rank stops in ``phase`` with exactly ``error``.
-    ``Bug.wrong_values()``: the round trip completes but some rank loads other values than it saved.
+    ``Bug.wrong_values()``: the round trip completes but some rank loads another rank's values: every
+    tensor it got wrong holds (part by part, e.g. per component of a fused tensor) exactly what
+    another rank saved under the same key. Any other wrong value (one no rank saved, another shape:
+    ``inf``, NaN) is another failure, not this bug.
     """
 
     __slots__ = ("kind", "phase", "error")
@@ -54,23 +60,32 @@ class Bug:
         return "a rank loads other values than it saved"
 
     def matches(self, result: dict) -> bool:
-        """Does this rank's result show the bug? (``raises``: exactly this error in this phase;
-        ``wrong-values``: the round trip got to the comparison and some tensor differs.)"""
+        """Does this rank's result show the bug, as far as one rank can tell? (``raises``: exactly
+        this error in this phase; ``wrong-values``: the round trip got to the comparison and some
+        tensor differs, every differing one by a finite amount; whose values they are takes the
+        world: :meth:`seen_in`.)"""
         if self.kind == "raises":
             return result.get("phase") == self.phase and result.get("error") == self.error
-        return _completed(result) and any(d != 0.0 for d in (result.get("max_delta") or {}).values())
+        wrong = _differing(result)
+        return _completed(result) and bool(wrong) and all(math.isfinite(d) for d in wrong.values())
 
     def seen_in(self, results) -> bool:
         """Does the world (one result dict per rank, ``None`` for a rank that crashed) show the bug?
 
-        ``raises``: on every rank. ``wrong-values``: every rank completed the round trip and at least
-        one loaded other values (a rank reading another rank's shard leaves the others exact).
+        ``raises``: on every rank. ``wrong-values``: every rank completed the round trip, at least
+        one loaded other values (a rank reading another rank's shard leaves the others exact), and
+        every tensor any rank got wrong is another rank's, by the ``digests`` each rank reports.
         """
         if any(r is None for r in results) or not results:
             return False
         if self.kind == "raises":
             return all(self.matches(r) for r in results)
-        return all(_completed(r) for r in results) and any(self.matches(r) for r in results)
+        if not all(_completed(r) for r in results):
+            return False
+        wrong = [(rank, r) for rank, r in enumerate(results) if _differing(r)]
+        return bool(wrong) and all(
+            self.matches(r) and all(_another_ranks(results, rank, key) for key in _differing(r)) for rank, r in wrong
+        )
 
     def __repr__(self):
         return f"Bug({self.kind!r}, {self.phase!r}, {self.error!r})"
@@ -79,6 +94,23 @@ class Bug:
 def _completed(result: dict) -> bool:
     """The round trip ran to the end: no error, or only the comparison's own assertion."""
     return bool(result.get("max_delta")) and result.get("phase") in (None, "compare")
+
+
+def _differing(result: dict) -> dict:
+    return {k: d for k, d in (result.get("max_delta") or {}).items() if d != 0.0}
+
+
+def _another_ranks(results, rank: int, key: str) -> bool:
+    """Every part of ``key`` that ``rank`` loaded is what it saved or what another rank saved
+    there (``digests``: key -> (saved part digests, loaded part digests))."""
+    saved, loaded = (results[rank].get("digests") or {}).get(key, ((), ()))
+    others = [(r.get("digests") or {}).get(key, ((), ()))[0] for j, r in enumerate(results) if j != rank]
+    if not loaded or len(saved) != len(loaded):
+        return False
+    return all(
+        got == own or any(len(other) == len(loaded) and other[i] == got for other in others)
+        for i, (own, got) in enumerate(zip(saved, loaded))
+    )
 
 
 class Scenario:

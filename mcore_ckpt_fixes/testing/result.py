@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 
-from .compare import max_abs_delta
+from .compare import max_abs_delta, part_digests
 
 
 def error_line(exc) -> str:
@@ -37,7 +37,8 @@ class RoundTrip:
     (default ``"Type: message"``); ``extra``: fields this scenario reports besides the common ones."""
 
     def __init__(self, error_line=error_line, **extra):
-        self.result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None}
+        self.result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
+                       "digests": {}}
         self.result.update(extra)
         self._error_line = error_line
         self._phase = None
@@ -80,14 +81,21 @@ class RoundTrip:
             self.result["error"] = message
             self.result["phase"] = phase if phase is not None else self._phase
 
-    def compare(self, expected: dict, got: dict, prefix: str = "") -> dict:
+    def compare(self, expected: dict, got: dict, prefix: str = "", parts=None) -> dict:
         """Record ``max_delta`` per tensor (``prefix`` + key, sorted) between what was saved and what
-        was loaded; returns the keys that differ with their deltas. Enters phase ``compare``."""
+        was loaded, and ``digests`` (what was saved and what was loaded, part by part: ``parts``
+        maps a key to the sizes of the flat tensor's parts); returns the keys that differ with their
+        deltas. Enters phase ``compare``."""
         self.phase("compare")
         missing = sorted(set(expected) - set(got))
         if missing:
             raise AssertionError(f"not loaded: {missing}")
         deltas = {f"{prefix}{k}": max_abs_delta(expected[k], got[k]) for k in sorted(expected)}
+        sizes = parts or {}
+        self.result["digests"].update({
+            f"{prefix}{k}": (part_digests(expected[k], sizes.get(k)), part_digests(got[k], sizes.get(k)))
+            for k in sorted(expected)
+        })
         self.result["max_delta"].update(deltas)
         self.result["max_delta"] = dict(sorted(self.result["max_delta"].items()))
         self.result["n_tensors"] = len(self.result["max_delta"])

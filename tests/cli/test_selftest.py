@@ -144,16 +144,44 @@ def test_bug_judgement():
     assert not raises.seen_in([hit, exact]) and not raises.seen_in([hit, None]) and not raises.seen_in([])
     assert not raises.seen_in([dict(hit, error="AssertionError: x and more"), hit])  # exact text only
     wrong = Bug.wrong_values()
-    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5}}
+    # digests: per tensor, (what this rank saved, what it loaded), part by part.
+    exact = dict(exact, digests={"w": (["r0"], ["r0"])})
+    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5},
+                   "digests": {"w": (["r1"], ["r0"])}}
     assert wrong.seen_in([exact, other_shard])  # one rank reading another's shard is enough
     assert not wrong.seen_in([exact, exact]) and not wrong.seen_in([hit, other_shard])
+    # Not the documented bug: a value no rank saved, another shape (inf), NaN, nothing to tell whose.
+    unrelated = dict(other_shard, digests={"w": (["r1"], ["zeros"])})
+    other_shape = dict(other_shard, max_delta={"w": float("inf")})
+    nan = dict(other_shard, max_delta={"w": float("nan")})
+    assert not any(wrong.seen_in([exact, r]) for r in (unrelated, other_shape, nan, dict(other_shard, digests={})))
+    # A fused tensor whose components come from different ranks: each part is judged.
+    parts = {"phase": "compare", "error": "x", "max_delta": {"w": 0.5}, "digests": {"w": (["a1", "b1"], ["a0", "b1"])}}
+    fused = {"phase": "compare", "error": "x", "max_delta": {"w": 0.5}, "digests": {"w": (["a0", "b0"], ["a0", "b1"])}}
+    assert wrong.seen_in([fused, parts])
+    assert not wrong.seen_in([fused, dict(parts, digests={"w": (["a1", "b1"], ["a0", "c"])})])
+    assert not wrong.seen_in([exact, dict(other_shard, max_delta={"w": 0.5, "v": 0.25})])  # "v": whose? unknown
+
+
+def test_nan_is_never_the_largest_delta_dropped():
+    """A NaN loaded after an exact tensor: Python's max() would report 0.0 for the rank."""
+    from mcore_ckpt_fixes.cli.selftest_judge import is_exact, rank_rows
+    from mcore_ckpt_fixes.testing.compare import worst
+    from mcore_ckpt_fixes.testing.launcher import RankResult
+
+    nan = float("nan")
+    assert worst([0.0, nan]) != worst([0.0, nan]) and worst([nan, 0.0]) != worst([nan, 0.0])
+    assert worst([0.0, 0.5, float("inf")]) == float("inf") and worst([]) == 0.0
+    (row,) = rank_rows([RankResult(0, True, {"error": None, "phase": None, "n_tensors": 2, "max_delta": {"a": 0.0, "b": nan}})])
+    assert row["max_delta"] != row["max_delta"] and not is_exact(row), row
 
 
 @pytest.mark.gpu
 def test_selftest_cuda(mcore_version):
     """``--device cuda`` on a machine with at least two GPUs (NCCL, spawned ranks).
 
-    Not run on this project's CPU-only hosts: the CUDA path of the scenarios is untested there.
+    Not run on this project's CPU-only hosts: the CUDA path of the scenarios is untested there
+    (tests/test_gpu_collection.py checks there that this test is collected and its fixtures resolve).
     """
     import torch
 

@@ -88,6 +88,22 @@ def _ok(results):
 # -- registry, status, engine ------------------------------------------------------------------------
 
 
+def test_state_delta_tells_a_cached_gaussian_from_none():
+    """Python ``random`` caches the second value of ``gauss()``; a rank resumed with or without it
+    draws different numbers next, so two states that differ only there must compare different."""
+    import random
+
+    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+
+    gen = random.Random(7)
+    gen.gauss(0.0, 1.0)
+    cached = gen.getstate()
+    none = (cached[0], cached[1], None)
+    assert cached[2] is not None
+    assert delta(cached, none) != 0.0 and delta(none, cached) != 0.0
+    assert delta(cached, cached) == 0.0 and delta(none, none) == 0.0
+
+
 def test_registered_scenario():
     (s,) = for_fix(FIX.id)
     assert (s.name, s.func, s.nproc, s.bug.kind) == ("ep2_round_trip", f"{SC}:ep2_round_trip", 2, "wrong-values")
@@ -412,6 +428,7 @@ def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
     """What an unfixed release wrote: the fixed load restores the shared copy, as the unfixed load
     does (the same values on both ranks), and says so, naming the old layout."""
     d, saved = fsdp_old_ckpt
+    _ranks_differ(saved)
     fixed = _ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))
     unfixed = _world("load_only", False, d, ckpt_format="fsdp_dtensor")
     for rank, (r, u) in enumerate(zip(fixed, unfixed)):
@@ -420,6 +437,12 @@ def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and FSDP_OLD_LAYOUT in w, w
         assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
         assert u["error"] is None and _same(r["loaded"], u["loaded"]), rank
+        # The shared copy is what was saved: every component one of the two ranks' saved states,
+        # restored from the checkpoint, not the fresh states kept.
+        for k in COMPONENTS:
+            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
+        assert not _same(r["loaded"], r["before"]), rank
+    assert _same(fixed[0]["loaded"], fixed[1]["loaded"])  # one copy, on both ranks
 
 
 def test_fsdp_dtensor_new_layout_loads_after_restart_and_on_an_unfixed_release(fsdp_new_ckpt):

@@ -9,7 +9,9 @@ Backend: NCCL when there is a GPU per rank. NCCL refuses two ranks on one device
 single-GPU machine the ranks share GPU 0 over gloo (CUDA tensors, real CUDA calls; the collectives
 are gloo's). Which one ran is printed; the runs are listed in docs/validation.md (GPU runs).
 
-Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
+Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU. tests/test_gpu_collection.py
+collects this module (and ``test_selftest_cuda``) on every line, so their parametrisation and fixtures
+are checked where no GPU is.
 """
 
 import os

@@ -212,30 +212,36 @@ def _gdn_keys():
 
 
 def _refuse(msd, osd):
-    """Re-fuse the split pieces: this rank's local shard of each fused tensor, by key."""
+    """Re-fuse the split pieces: (this rank's local shard of each fused tensor, by key; the sizes of
+    its components, by key). A load that mixes up ranks takes each component from one rank: the
+    comparison fingerprints them one by one (RoundTrip.compare's ``parts``)."""
     from torch.distributed.tensor import DTensor
 
     names = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
              "conv1d.weight": ("query", "key", "value"), "conv1d.bias": ("query", "key", "value")}
-    out = {}
+    out, parts = {}, {}
 
     def loc(t):
         return (t.to_local() if isinstance(t, DTensor) else t).reshape(-1)
 
+    def fuse(out_key, pieces):
+        out[out_key] = torch.cat(pieces)
+        parts[out_key] = [p.numel() for p in pieces]
+
     for key in _gdn_keys():
         subs = names[key[len(PATH) + 1 :]]
-        out[key] = torch.cat([loc(msd[f"{key}.{s}"]) for s in subs])
+        fuse(key, [loc(msd[f"{key}.{s}"]) for s in subs])
         if osd is not None:
             for sub in ("exp_avg", "exp_avg_sq"):
-                out[f"opt/{key}/{sub}"] = torch.cat([loc(osd["state"][f"module.module.{key}.{s}"][sub]) for s in subs])
+                fuse(f"opt/{key}/{sub}", [loc(osd["state"][f"module.module.{key}.{s}"][sub]) for s in subs])
     key = f"{PATH}.out_proj.weight"
     if key not in msd:  # the plain TP=2 layouts leave the non-GDN tensor out
-        return out
+        return out, parts
     out[key] = loc(msd[key])
     if osd is not None:
         for sub in ("exp_avg", "exp_avg_sq"):
             out[f"opt/{key}/{sub}"] = loc(osd["state"][f"module.module.{key}"][sub])
-    return out
+    return out, parts
 
 
 def _short(exc):
@@ -294,9 +300,9 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="
         fstate = _dcp_state(fmsd_s, fosd_s)
         dcp.load(fstate, checkpoint_id=ckpt_dir)
         rt.phase("compare")
-        got = _refuse(fstate["model"], fstate.get("optimizer"))
+        got, parts = _refuse(fstate["model"], fstate.get("optimizer"))
         assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
-        bad = rt.compare(expected, got)
+        bad = rt.compare(expected, got, parts=parts)
         assert not bad, f"tensors differ after load: {bad}"
         if global_check:
             rt.phase("global_check")
@@ -538,14 +544,14 @@ def _plain_layout_round_trip(rt, layout, path):
     rt.phase("load")
     dcp.load(fstate, checkpoint_id=path)
     rt.phase("compare")
-    got = _refuse(fstate["model"], fstate.get("optimizer"))
+    got, parts = _refuse(fstate["model"], fstate.get("optimizer"))
     # The fresh model's own tensors (what training goes on with) must hold the loaded values:
     # the pieces are views into them.
     for key in got:
         if not key.startswith("opt/"):
             got[key] = fmodel.module.get_parameter(key).to_local().reshape(-1)
     assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
-    rt.compare(expected, got, prefix=f"{layout}/")
+    rt.compare(expected, got, prefix=f"{layout}/", parts=parts)
     bad = rt.differing()
     assert not bad, f"tensors differ after load: {bad}"
     rt.phase("global_check")

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
+from ...testing.compare import max_abs_delta, worst
 from ...testing.result import RoundTrip
 from ...testing.states import fix_states
 from . import ID as FIX_ID
@@ -268,23 +268,37 @@ def snapshot():
 
 
 def _flat(value):
+    """(numbers, marks): an RNG state as float64 numbers (exact: every entry is a 32-bit word, a
+    position, a flag or a float), and what is not a number. Python ``random``'s cached Gaussian is
+    ``None`` when there is none: a mark, never NaN, so that a state holding one and a state holding
+    none compare different."""
     if isinstance(value, torch.Tensor):
-        return value.to(torch.float64).numpy().ravel()
+        return value.to(torch.float64).numpy().ravel(), ()
     if isinstance(value, tuple) and value and value[0] == "MT19937":  # NumPy
         keys, pos, has_gauss, cached = value[1], value[2], value[3], value[4]
-        return np.concatenate([np.asarray(keys, dtype=np.float64), [pos, has_gauss, cached]])
+        return np.concatenate([np.asarray(keys, dtype=np.float64), [pos, has_gauss, cached]]), ()
     version, internal, gauss = value  # Python's random
-    return np.array([version, *internal, np.nan if gauss is None else gauss], dtype=np.float64)
+    numbers = [version, *internal] + ([] if gauss is None else [gauss])
+    return np.array(numbers, dtype=np.float64), (gauss is None,)
 
 
 def delta(a, b) -> float:
-    """Largest absolute difference between two RNG states (0.0: identical; inf: incomparable)."""
-    fa, fb = _flat(a), _flat(b)
-    if fa.shape != fb.shape:
+    """Largest absolute difference between two RNG states (0.0: identical; inf: incomparable, e.g.
+    one holds a cached Gaussian and the other none)."""
+    (fa, ma), (fb, mb) = _flat(a), _flat(b)
+    if ma != mb or fa.shape != fb.shape:
         return float("inf")
-    if np.array_equal(fa, fb, equal_nan=True):
+    if np.array_equal(fa, fb):
         return 0.0
-    return float(np.nanmax(np.abs(fa - fb)))
+    return float(np.max(np.abs(fa - fb)))
+
+
+def state_digest(state) -> str:
+    """A fingerprint of an RNG state (equal states, equal digests): see testing.compare.digest."""
+    import hashlib
+
+    numbers, marks = _flat(state)
+    return hashlib.sha256(repr(marks).encode() + numbers.tobytes()).hexdigest()[:16]
 
 
 def deltas(saved, loaded) -> dict:
@@ -408,11 +422,13 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_paral
 def compare_exact(rt, saved, loaded, saved_model, after_model):
     """Record and assert: every RNG component and every model tensor back exactly as saved."""
     rt.phase("compare")
-    rt["model_max_delta"] = max(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
+    rt["model_max_delta"] = worst(max_abs_delta(saved_model[k], after_model[k]) for k in saved_model)
     rt["saved"], rt["loaded"] = saved, loaded
     rt["n_tensors"] = len(saved)
     # RNG states are not all tensors (Python's and NumPy's are tuples): compared with delta().
     rt["max_delta"] = deltas(saved, loaded)
+    # Whose state each component is: the world's judgement (Bug.wrong_values) compares them across ranks.
+    rt["digests"] = {k: ([state_digest(saved[k])], [state_digest(loaded[k])]) for k in saved if k in loaded}
     bad = {k: d for k, d in rt["max_delta"].items() if d != 0.0}
     assert not bad, f"RNG states differ after load: {sorted(bad)}"
     assert rt["model_max_delta"] == 0.0, f"model differs after load: {rt['model_max_delta']}"

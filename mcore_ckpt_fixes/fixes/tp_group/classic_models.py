@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...testing.compare import max_abs_delta, worst
 from . import round_trips as explicit
 
 
@@ -75,10 +76,7 @@ def classic_models_identical(rank: int, world_size: int, ckpt_dir: str) -> dict:
             explicit._fill(fresh, 8, parallel_state.get_tensor_model_parallel_rank())
             fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), path))
             after = fresh.state_dict()
-            delta = max(
-                (float((sd_on[k].double() - after[k].double()).abs().max()) for k in sd_on if isinstance(sd_on[k], torch.Tensor) and sd_on[k].numel()),
-                default=0.0,
-            )
+            delta = worst(max_abs_delta(sd_on[k], after[k]) for k in sd_on if isinstance(sd_on[k], torch.Tensor))
             results[name] = {
                 "descriptions_equal": d_off == d_on,
                 "n_sharded": len(d_on),

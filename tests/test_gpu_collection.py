@@ -1,0 +1,60 @@
+"""The ``gpu``-marked tests, checked on a host without a GPU: they run only where CUDA is (``pytest -m
+gpu``), so their structure is checked here, where every line runs, that they cannot rot unseen.
+
+Collected as ``pytest -m gpu`` collects them (a child pytest: ``--collect-only`` imports the modules and
+parametrises, ``--setup-plan`` resolves every fixture they ask for without running one), each
+registered scenario written for CUDA once, under the id the CPU round trips and ``selftest`` use.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.fixes import ORDER
+from mcore_ckpt_fixes.testing import for_fix, resolve
+
+GPU_ROUND_TRIPS = "tests/gpu/test_cuda_round_trips.py::test_cuda_round_trip"
+SELFTEST_CUDA = "tests/cli/test_selftest.py::test_selftest_cuda"
+
+
+def _pytest_gpu(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", *args, "tests/gpu", SELFTEST_CUDA],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _cuda_scenarios():
+    """What the CPU round trips register for CUDA too, in selftest's order (fixes in ``status`` order)."""
+    fixes = ENGINE.discover()
+    return [s for fix_id in ORDER if fixes[fix_id].implemented for s in for_fix(fix_id) if "cuda" in s.devices]
+
+
+def test_gpu_tests_collect_as_on_cuda():
+    scenarios = _cuda_scenarios()
+    assert scenarios, "no registered scenario is written for CUDA: tests/gpu would test nothing"
+    collected = [ln for ln in _pytest_gpu("--collect-only", "-q").splitlines() if "::" in ln]
+    assert collected == [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios] + [SELFTEST_CUDA], collected
+
+
+def test_gpu_tests_fixtures_resolve():
+    plan = _pytest_gpu("--setup-plan")
+    assert "fixture '" not in plan and "error" not in plan.lower(), plan
+    for s in _cuda_scenarios():
+        assert f"{GPU_ROUND_TRIPS}[{s.id}]" in plan, plan
+
+
+def test_cuda_scenarios_take_a_device():
+    """tests/gpu calls each scenario with ``device="cuda"`` (and its ``prepare`` first): both resolve,
+    and the scenario has the parameter."""
+    for s in _cuda_scenarios():
+        params = inspect.signature(resolve(s.func)).parameters
+        assert {"rank", "world_size", "ckpt_dir", "patched", "device"} <= set(params), (s.id, list(params))
+        if s.prepare:
+            assert callable(resolve(s.prepare)), s.prepare
