@@ -30,6 +30,22 @@ def import_targets() -> None:
             ENGINE.mark_unimportable(fix_id, module, f"{type(exc).__name__}: {exc}")
 
 
+WIDTH = 100  # columns of the text output; --json keeps every reason whole
+MAX_LINES = 4  # lines of one reason in the text output
+
+
+def _wrapped(reason: str, indent: int) -> list:
+    """``reason`` in lines that fit WIDTH after ``indent`` columns, at most MAX_LINES of them."""
+    import textwrap
+
+    lines = textwrap.wrap(reason, max(40, WIDTH - indent), break_on_hyphens=False) or [""]
+    if len(lines) > MAX_LINES:
+        more = " [... whole: --json]"
+        lines = lines[:MAX_LINES]
+        lines[-1] = textwrap.shorten(lines[-1], max(40, WIDTH - indent) - len(more), placeholder="") + more
+    return lines
+
+
 def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> int:
     if known_bugs:
         return run_known_bugs(as_json)
@@ -42,8 +58,12 @@ def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> 
     info = detect()
     print(f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__}; {info.describe()}")
     width = max(len(r["id"]) for r in rows)
+    indent = 2 + width + 2 + 14 + 2  # where a reason starts; its next lines start there too
     for r in rows:
-        print(f"  {r['id']:<{width}}  {r['state']:<14}  {r['reason']}")
+        first, *rest = _wrapped(r["reason"], indent)
+        print(f"  {r['id']:<{width}}  {r['state']:<14}  {first}")
+        for line in rest:
+            print(" " * indent + line)
         targets = r["targets"]
         mixed = len({t["state"] for t in targets.values()}) > 1
         if r["state"] != "disabled" and (mixed or any(t["package"] != "megatron-core" for t in targets.values())):

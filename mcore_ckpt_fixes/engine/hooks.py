@@ -35,6 +35,28 @@ def when_settled(callback) -> None:
         _SETTLED.append(callback)
 
 
+# Module name -> (the module, the modules whose bodies were running when it started executing: the
+# import chain that brought it in). With sys.modules' order this bounds which modules can bind its
+# functions by name (engine/bindings.py): those that started after it, and that chain.
+_IMPORTERS = {}
+
+
+def _record_importers(module) -> None:
+    chain, frame = [], sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            importer = sys.modules.get(frame.f_globals.get("__name__"))
+            if importer is not None and getattr(importer, "__dict__", None) is frame.f_globals:
+                chain.append(importer)
+        frame = frame.f_back
+    _IMPORTERS[module.__name__] = (module, chain)
+
+
+def importers(name):
+    """(module, its import chain) for a tracked module imported since this package was, or None."""
+    return _IMPORTERS.get(name)
+
+
 class _Loader:
     """Delegates to the real loader, fires the hooks once the module has executed, and runs the
     callbacks that wait for the outermost tracked import to finish."""
@@ -46,6 +68,7 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        _record_importers(module)
         _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
         try:
             self._loader.exec_module(module)

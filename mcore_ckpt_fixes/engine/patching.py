@@ -102,15 +102,11 @@ class Patcher:
 
     def rebind(self, old, new, skip=None) -> None:
         """Point every module global that is ``old`` (by identity) at ``new``."""
-        for mod in list(sys.modules.values()):
-            if mod is None or mod is skip:
-                continue
-            namespace = getattr(mod, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for attr, value in list(namespace.items()):
-                if value is old:
-                    self.replace(mod, attr, new)
+        from .bindings import holders  # an index: walking every module's globals per call is slow
+
+        for mod, attr in holders(old):
+            if mod is not skip:
+                self.replace(mod, attr, new)
 
     def revert(self) -> None:
         restore = {}  # id(replacement function) -> (replacement, original), for the sweep below
@@ -127,6 +123,10 @@ class Patcher:
         self.records.clear()
         if restore:
             self._unbind_late_imports(restore)
+        # Names were rebound without changing any namespace's size: the index must look again.
+        from .bindings import forget
+
+        forget()
 
     @staticmethod
     def _unbind_late_imports(restore) -> None:

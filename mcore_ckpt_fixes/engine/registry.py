@@ -17,16 +17,11 @@ import sys
 import threading
 
 from . import flags as _flags
+from . import logs
 from . import version as _version
 from .errors import FixRequiredError, MegatronPatchWarning
 from .fix import Fix, Target
 from .patching import Patcher
-
-
-def _log():
-    import logging  # lazily: logging alone costs ~10 % of this package's import budget
-
-    return logging.getLogger("mcore_ckpt_fixes")
 
 FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
 # Which target state wins when a fix's targets disagree (most important first).
@@ -50,6 +45,11 @@ class _Engine:
         self.patchers = {}  # id -> Patcher
         self.hooked: set = set()  # module names with a post-import hook (kept: on_import checks state)
         self.active = False
+        # The summary line (logs.py): fix ids applied since the last one, whether one is waiting for
+        # the running import to finish, whether this process has logged its one INFO summary.
+        self.fresh = []
+        self.announcing = False
+        self.announced = False
 
     # -- discovery -----------------------------------------------------------------------------
     def discover(self):
@@ -114,6 +114,7 @@ class _Engine:
                     state, reason = self.fix_state(fix.id)
                     if state in ("failed", "not-applicable", "pending"):
                         required_failures.append(f"{fix.id}: {state}: {reason}")
+            self._announce_when_settled()
             if required_failures:
                 raise FixRequiredError(
                     "required fix could not be applied: " + "; ".join(required_failures)
@@ -138,6 +139,7 @@ class _Engine:
                 for target in fix.targets:
                     if target.module == module.__name__:
                         self._apply_target(fix, target, module, info)
+            self._announce_when_settled()
 
     def _apply_target(self, fix: Fix, target: Target, module, info) -> None:
         states = self.targets.setdefault(fix.id, {})
@@ -148,9 +150,8 @@ class _Engine:
         gate = _gate(fix, target, info)
         outside = gate.version is not None and gate.version not in target.specifiers(fix)
         if outside and mode != "on" and gate.source != "checkout":
-            states[target.module] = TargetState(
-                "not-needed", f"{gate.name} {gate.version} is outside the affected range {gate.affected}"
-            )
+            outside_range = f"{gate.name} {gate.version} is outside the affected range {gate.affected}"
+            self._decide(fix, target, "not-needed", outside_range)
             return
         # A Megatron-LM checkout's version string may name a release its code does not match (a dev
         # tree of the next release, a pinned commit between releases): there the probe decides.
@@ -175,10 +176,10 @@ class _Engine:
             self._fail(fix, target, f"probe raised {type(exc).__name__}: {exc}")
             return
         if verdict is None:
-            states[target.module] = TargetState("not-applicable", why)
+            self._decide(fix, target, "not-applicable", why)
             return
         if verdict is False:
-            states[target.module] = TargetState("not-needed", f"probe: {why}{checkout_note}")
+            self._decide(fix, target, "not-needed", f"probe: {why}{checkout_note}")
             return
         patcher = self.patchers.setdefault(fix.id, Patcher(fix.id))
         mark = len(patcher.records)
@@ -193,8 +194,64 @@ class _Engine:
             self._fail(fix, target, f"patch raised {type(exc).__name__}: {exc}")
             return
         note = checkout_note or ("" if not outside else " (forced on outside the affected range)")
-        states[target.module] = TargetState("applied", f"{why}{note}")
-        _log().info("mcore_ckpt_fixes: %s applied to %s: %s", fix.id, target.module, why)
+        self._decide(fix, target, "applied", f"{why}{note}")
+        if fix.id not in self.fresh:
+            self.fresh.append(fix.id)
+
+    def _decide(self, fix: Fix, target: Target, state: str, reason: str) -> None:
+        self.targets.setdefault(fix.id, {})[target.module] = TargetState(state, reason)
+        logs.detail("mcore_ckpt_fixes: %s on %s: %s: %s", fix.id, target.module, state, reason)
+
+    # -- the summary line ------------------------------------------------------------------------
+    def _announce_when_settled(self) -> None:
+        """One summary for everything a Megatron import applied: logged once the outermost import
+        has finished (at once outside an import)."""
+        if not self.fresh or self.announcing:
+            return
+        from . import hooks
+
+        self.announcing = True
+        hooks.when_settled(self._announce)
+
+    def _announce(self) -> None:
+        with self.lock:
+            self.announcing = False
+            fresh, self.fresh = self.fresh, []
+            if not fresh:
+                return
+            info = _version.detect()
+            text = (
+                f"mcore_ckpt_fixes: applied {', '.join(f for f in self.fixes if f in fresh)} "
+                f"(Megatron-Core {info.version or 'of unknown version'}, {info.source})"
+            )
+            waiting = self._waiting(info)
+            if waiting:
+                text += f"; applied when their modules are imported: {', '.join(waiting)}"
+            text += "; details: DEBUG log, `python -m mcore_ckpt_fixes status`"
+            if self.announced:  # this process has had its INFO line: the rest is detail
+                logs.detail(text)
+                return
+            self.announced = True
+            logs.once_per_job(text)
+
+    def _waiting(self, info):
+        """Enabled fixes with nothing applied yet whose Megatron-Core target still waits for its
+        module on a release in its range (or a checkout, where the probe decides)."""
+        waiting = []
+        for fix in self.fixes.values():
+            states = self.targets.get(fix.id, {})
+            if self.modes.get(fix.id, "off") == "off" or any(s.state == "applied" for s in states.values()):
+                continue
+            for target in fix.targets:
+                current = states.get(target.module)
+                if not target.gated_by_megatron or current is None or current.state != "pending":
+                    continue
+                gate = _gate(fix, target, info)
+                forced = self.modes[fix.id] == "on" or gate.source == "checkout"
+                if forced or gate.version is None or gate.version in target.specifiers(fix):
+                    waiting.append(fix.id)
+                    break
+        return waiting
 
     def enabled_target_modules(self, installed_only: bool = False):
         """(fix id, module name) of every target of every enabled, implemented fix, in order.
@@ -225,6 +282,7 @@ class _Engine:
             info = _LazyInfo()
             info.retry = True
             self._apply_target(fix, target, module, info)
+            self._announce_when_settled()
 
     def mark_unimportable(self, fix_id: str, module_name: str, reason: str) -> None:
         with self.lock:
@@ -233,7 +291,7 @@ class _Engine:
             )
 
     def _fail(self, fix: Fix, target: Target, reason: str) -> None:
-        self.targets.setdefault(fix.id, {})[target.module] = TargetState("failed", reason)
+        self._decide(fix, target, "failed", reason)
         if self.modes.get(fix.id) == "require":
             raise FixRequiredError(f"required fix {fix.id} failed on {target.module}: {reason}")
         import warnings
@@ -243,7 +301,9 @@ class _Engine:
             MegatronPatchWarning,
             stacklevel=3,
         )
-        _log().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
+        # The MegatronPatchWarning above is every rank's; the log line is the job's (rank 0's).
+        if logs.first_rank():
+            logs.logger().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
 
     def _revert_fix(self, fix_id: str) -> None:
         patcher = self.patchers.pop(fix_id, None)

@@ -7,6 +7,8 @@ What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tens
 ``Tensor.type()`` names (a TorchFunctionMode), besides testing/cpu_shims.py.
 """
 
+import json
+
 import pytest
 from packaging.specifiers import SpecifierSet
 
@@ -75,9 +77,13 @@ def _assert_exact(results, expected_state):
 
 
 def test_status_on_this_release(mcore_version):
-    """``status`` (a fresh interpreter, as a user runs it) names this release's verdict."""
+    """``status`` (a fresh interpreter, as a user runs it) names this release's verdict: the state in
+    its text line, the whole reason in ``--json`` (the text wraps and shortens long reasons)."""
     proc = run_cli(["status"])
-    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("mimo-optimizer "))
+    text = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("mimo-optimizer "))
+    row = next(r for r in json.loads(run_cli(["status", "--json"]).stdout) if r["id"] == "mimo-optimizer")
+    assert text.split()[1] == row["state"], (text, row["state"])
+    line = f" {row['state']} {row['reason']}"
     if not _has_mimo_optimizer():  # 0.16: the module does not exist
         assert mcore_version not in FIX.specifiers
         assert " not-applicable " in line and "No module named" in line, line

@@ -54,8 +54,9 @@ hold is in the checkpoint only for the module on global rank 0; for another modu
 ``common_step`` under per-parameter state is taken from a module that has one (MimoOptimizer steps
 every module together), any other missing value from the load's own request, each named in a
 ``MegatronPatchWarning``. The probe runs the real ``MimoOptimizer`` methods on stand-in inner
-optimizers (defects (a)-(e)) and the real ``dist_checkpointing.load`` on a throw-away checkpoint written by ``torch.distributed.checkpoint`` (no process group) and
-a recording load strategy, so a source-patched Megatron is recognised as fixed.
+optimizers (defects (a)-(e)) and the real ``dist_checkpointing.load`` on a checkpoint held in memory
+(the names its metadata lists; nothing is written or read) and a recording load strategy, so a
+source-patched Megatron is recognised as fixed.
 """
 
 from ...engine.fix import Fix, Target

@@ -306,46 +306,84 @@ class _RecordingLoad:
         return {}
 
 
+# The probe's checkpoint: a directory name that is never opened. While the probe's load runs, the
+# functions it would read the directory with answer for that name from memory (and pass any other
+# directory to Megatron's own: a load running beside the probe is untouched).
+_PROBE_DIR = os.path.join(os.sep, "nonexistent", "mcore-ckpt-fixes-probe")
+_STRATEGIES = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+class _ProbeReader:
+    """What a DCP reader's ``read_metadata`` tells of the probe's checkpoint: the names it holds."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def read_metadata(self):
+        return types.SimpleNamespace(state_dict_metadata=dict.fromkeys(self.names))
+
+
+def _for_probe_dir(real, answer):
+    def stand_in(checkpoint_dir, *args, **kwargs):
+        if os.fspath(checkpoint_dir) == _PROBE_DIR:
+            return answer()
+        return real(checkpoint_dir, *args, **kwargs)
+
+    return stand_in
+
+
+def _probe_checkpoint(names):
+    """(module, name, stand-in) for what ``dist_checkpointing.load`` reads a checkpoint with: the
+    existence check, the common state (0.17/0.18: ``load_common``; 0.19: ``load_common_state_dict``,
+    empty, as in a checkpoint without plain values) and the DCP metadata reader (``names``)."""
+    serialization, strategies = importlib.import_module(LOAD_MODULE), importlib.import_module(_STRATEGIES)
+    answers = (
+        (serialization, "verify_checkpoint", lambda: None),
+        (serialization, "load_common", dict),
+        (serialization, "load_common_state_dict", dict),
+        (strategies, "_get_filesystem_reader", lambda: _ProbeReader(names)),
+    )
+    return [(m, n, _for_probe_dir(m.__dict__[n], answer)) for m, n, answer in answers if n in m.__dict__]
+
+
+_READS_OLD = {}  # dist_checkpointing.load -> the verdict on it (probe and apply ask alike)
+
+
 def _load_reads_old_layout():
     """Does the real ``dist_checkpointing.load`` ask for the unprefixed name when the checkpoint
     only has that, and leave out a module's common-state object the checkpoint does not have? A
-    throw-away checkpoint (metadata, config and common state; written by torch DCP without a
-    process group) and a recording strategy stand in for the files and the reads."""
-    import json
-    import tempfile
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-
+    checkpoint held in memory (its names, an empty common state: :func:`_probe_checkpoint`) and a
+    recording strategy stand in for the files and the reads: nothing is written or read."""
     serialization = importlib.import_module(LOAD_MODULE)
+    load = serialization.load
+    if load in _READS_OLD:
+        return _READS_OLD[load]
     _, ShardedObject, _ = _megatron()
-    with tempfile.TemporaryDirectory(prefix="mcore-ckpt-fixes-probe-") as ckpt:
-        old = ShardedObject("optimizer.distributed.x", None, (1,), (0,))
-        current = ShardedObject("mimo.language.y", None, (1,), (0,))
-        dcp.save(
-            {old.unique_key: torch.zeros(1), current.unique_key: torch.zeros(1)},
-            storage_writer=dcp.FileSystemWriter(ckpt), no_dist=True,
-        )
-        with open(os.path.join(ckpt, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                       "common_backend": "torch", "common_backend_version": 1}, f)
-        torch.save({}, os.path.join(ckpt, "common.pt"))
-        # vision: stored under the unprefixed 0.17/0.18 name; language: the current names, but
-        # without the per-module common-state object (what every release writes unpatched).
-        request = {
-            "vision": {"x": ShardedObject("mimo.vision." + old.key, None, (1,), (0,))},
-            "language": {
-                "y": current,
-                "_mimo_common_state": ShardedObject(
-                    "mimo.language.optimizer.mimo.language.common_state", [], (1,), (0,)
-                ),
-            },
-        }
-        recorder = _RecordingLoad()
+    old = ShardedObject("optimizer.distributed.x", None, (1,), (0,))
+    current = ShardedObject("mimo.language.y", None, (1,), (0,))
+    # vision: stored under the unprefixed 0.17/0.18 name; language: the current names, but without
+    # the per-module common-state object (what every release writes unpatched).
+    request = {
+        "vision": {"x": ShardedObject("mimo.vision." + old.key, None, (1,), (0,))},
+        "language": {
+            "y": current,
+            "_mimo_common_state": ShardedObject("mimo.language.optimizer.mimo.language.common_state", [], (1,), (0,)),
+        },
+    }
+    recorder = _RecordingLoad()
+    stand_ins = _probe_checkpoint({old.unique_key, current.unique_key})
+    saved = [(m, n, m.__dict__[n]) for m, n, _ in stand_ins]
+    for m, n, stand_in in stand_ins:
+        setattr(m, n, stand_in)
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fixed load warns about the old layout: expected
-            serialization.load(request, ckpt, sharded_strategy=recorder, validate_access_integrity=False)
-    return sorted(recorder.keys) == sorted([old.key, current.key])
+            load(request, _PROBE_DIR, sharded_strategy=recorder, validate_access_integrity=False)
+    finally:
+        for m, n, real in saved:
+            setattr(m, n, real)
+    verdict = _READS_OLD[load] = sorted(recorder.keys) == sorted([old.key, current.key])
+    return verdict
 
 
 def probe(module: types.ModuleType):

@@ -29,7 +29,9 @@ How:
   - the old 2-D ``(pp, tp)`` layout written by an unfixed release: the one copy of this (pp, tp),
     which is the best state there is (this rank's own only on dp_cp rank 0, or with
     ``--data-parallel-random-init``, whose list holds every data-parallel rank's state), with a
-    ``MegatronPatchWarning`` that names the old layout. Never silently.
+    ``MegatronPatchWarning`` that names the old layout on every rank whose restored state is not
+    its own; a rank that gets its own state back logs the same text instead (INFO on global rank
+    0, DEBUG elsewhere). Never silently.
 
 An unfixed release cannot read the RNG state of a checkpoint written with this fix: the shard shape
 is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.

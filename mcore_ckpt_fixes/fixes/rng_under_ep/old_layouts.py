@@ -6,7 +6,9 @@ A checkpoint holds the ``torch_dist`` RNG state in one of two layouts:
   after a data-parallel resize while this rank's dp_cp index exists in it; a rank beyond the stored
   extent keeps its current RNG state, with a warning.
 * the old 2-D ``(pp, tp)`` layout of an unfixed release: one copy per (pp, tp), written by a single
-  data-parallel rank. Read (it is the best state there is) with a warning that names the old layout.
+  data-parallel rank. Read (it is the best state there is) with a warning that names the old layout,
+  on every rank whose restored state is not its own (:func:`restores_own_copy`); on the others the
+  same text is logged (INFO on global rank 0, DEBUG elsewhere).
 
 Only the checkpoint's metadata is read here; :func:`.patch.load_global_dist_base_checkpoint` emits
 the warning and loads what :func:`align_rng_request` asks for.
@@ -80,3 +82,19 @@ def align_rng_request(template, checkpoint_dir):
             f"save writes every rank's own state"
         )
     return template, None  # nothing recognisable: let Megatron report it as it would
+
+
+def restores_own_copy(dp_cp_rank, copy, data_parallel_random_init, dp_rank, dp_size, cp_size) -> bool:
+    """Is the old layout's one (pp, tp) copy, as ``load_checkpoint`` restores it, this rank's own state?
+
+    ``copy``: the list loaded from it. The unfixed save lets data-parallel rank 0 of the (pp, tp)
+    write (``replica_id = dp_cp rank``): the list holds that rank's state, or with
+    ``--data-parallel-random-init`` every data-parallel rank's (gathered over the data-parallel group,
+    without context parallelism). ``load_checkpoint`` restores entry ``[dp_rank]`` with that flag and
+    ``[0]`` without it."""
+    gathered = isinstance(copy, list) and len(copy) == dp_size > 1
+    if data_parallel_random_init:
+        # Each data-parallel rank's own entry, where the save gathered them; with context parallelism
+        # the entry is the state of context-parallel rank 0 of that data-parallel rank only.
+        return (gathered and cp_size == 1) or (dp_cp_rank == 0 and dp_rank == 0)
+    return dp_cp_rank == 0  # entry [0]: the writer's own state

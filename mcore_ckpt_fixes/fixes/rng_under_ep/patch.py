@@ -17,7 +17,7 @@ from ...engine.probing import Group
 from . import ID, MODULE
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
-from .old_layouts import align_rng_request
+from .old_layouts import align_rng_request, restores_own_copy
 
 _SIGNATURES: dict = {}
 
@@ -111,12 +111,9 @@ def _load_aligned(func, bound, template):
         params["load_dir"], params["iteration"], params["release"], return_base_dir=True
     )
     request, warning = align_rng_request(template, checkpoint_dir)
-    if warning is not None:
-        import warnings
-
-        from ...engine.errors import MegatronPatchWarning
-
-        warnings.warn(warning, MegatronPatchWarning, stacklevel=3)
+    old_layout = request is not None and len(request.global_shape) == 2
+    if warning is not None and not old_layout:
+        _warn(warning, stacklevel=4)
     if request is template:
         return func(*bound.args, **bound.kwargs)
     sharded = dict(sharded)  # the caller's dict stays as it built it
@@ -130,7 +127,39 @@ def _load_aligned(func, bound, template):
         # load_checkpoint restores whatever it finds under "rng_state": hand it this rank's current
         # states (what get_rng_state collected for the request), so restoring changes nothing.
         result[0]["rng_state"] = template.data
+    if warning is not None and old_layout:
+        _tell_old_layout(warning, template, params.get("args"), result)
     return result
+
+
+def _warn(text, stacklevel):
+    import warnings
+
+    from ...engine.errors import MegatronPatchWarning
+
+    warnings.warn(text, MegatronPatchWarning, stacklevel=stacklevel)
+
+
+def _tell_old_layout(text, template, args, result):
+    """The old layout's one copy was restored: a warning on a rank whose restored state is not its
+    own; where it is, the same text is logged (INFO on global rank 0, DEBUG elsewhere), so that a job
+    hears of the old layout once, not once per rank."""
+    from ...engine import logs
+
+    try:
+        from megatron.core import parallel_state as mpu
+
+        copy = result[0].get("rng_state") if isinstance(result, tuple) and isinstance(result[0], dict) else None
+        own = restores_own_copy(
+            template.global_offset[2], copy, bool(getattr(args, "data_parallel_random_init", False)),
+            mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_context_parallel_world_size(),
+        )
+    except Exception:  # groups not from parallel_state (or not initialised): cannot tell, so warn
+        own = False
+    if own:
+        logs.once_per_job("%s (here: this rank's own state, restored as saved)", text)
+    else:
+        _warn(text, stacklevel=5)
 
 
 @mark(ID)

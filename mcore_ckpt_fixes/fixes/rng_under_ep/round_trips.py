@@ -1,6 +1,7 @@
 """rng-under-ep round trips through Megatron's own ``save_checkpoint`` / ``load_checkpoint``.
 
-World 2 with EP=2 (TP=PP=1, so DP=2 and the two EP ranks are the two data-parallel ranks), a
+World 2 with EP=2 (TP=PP=1, so DP=2 and the two EP ranks are the two data-parallel ranks; the save
+and load halves also run in a world of 4, DP=4 with two expert-data-parallel ranks per EP rank), a
 small real ``GPTModel`` with two local (non-TE) experts, one per EP rank, ``--ckpt-format
 torch_dist`` and Megatron's default checkpoint options (fully parallel save and load included).
 
@@ -153,7 +154,8 @@ def _argv(ckpt_dir, data_parallel_random_init=False, no_load_rng=False):
         "mcore-ckpt-fixes-rng-under-ep",
         "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--max-position-embeddings", "8",
-        "--micro-batch-size", "1", "--global-batch-size", "2",
+        # One micro-batch per data-parallel rank (every rank is one).
+        "--micro-batch-size", "1", "--global-batch-size", str(dist.get_world_size()),
         "--num-experts", str(EP), "--expert-model-parallel-size", str(EP),
         "--use-cpu-initialization", "--ckpt-format", "torch_dist",
         "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
@@ -199,7 +201,8 @@ def _setup(ckpt_dir, device, ckpt_format="torch_dist", **flags):
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=EP
     )
-    assert mpu.get_expert_model_parallel_world_size() == EP and mpu.get_data_parallel_world_size() == EP
+    assert mpu.get_expert_model_parallel_world_size() == EP
+    assert mpu.get_data_parallel_world_size() == dist.get_world_size()
     config = arguments.core_transformer_config_from_args(args)
     # Replicated (non-expert) weights must be equal on every rank, as after a real init: the same
     # CPU seed everywhere (forked ranks share it anyway; spawned ones may not).
@@ -442,7 +445,7 @@ def ep2_fsdp_dtensor(rank, world_size, ckpt_dir, patched, device="cpu"):
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False,
               ckpt_format="torch_dist"):
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
-    assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
+    assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"
     rt = _round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(ckpt_dir, device, ckpt_format, data_parallel_random_init=data_parallel_random_init)
@@ -456,7 +459,7 @@ def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=Fal
               ckpt_format="torch_dist"):
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
-    assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
+    assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"
     rt = _round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(
