@@ -18,6 +18,7 @@ from mcore_ckpt_fixes.testing import for_fix, resolve
 
 GPU_ROUND_TRIPS = "tests/gpu/test_cuda_round_trips.py::test_cuda_round_trip"
 SELFTEST_CUDA = "tests/cli/test_selftest.py::test_selftest_cuda"
+GPU_RESUME = "tests/gpu/test_cuda_resume.py::test_cuda_resume_exact_with_the_fixes"
 
 
 def _pytest_gpu(*args):
@@ -40,7 +41,10 @@ def test_gpu_tests_collect_as_on_cuda():
     scenarios = _cuda_scenarios()
     assert scenarios, "no registered scenario is written for CUDA: tests/gpu would test nothing"
     collected = [ln for ln in _pytest_gpu("--collect-only", "-q").splitlines() if "::" in ln]
-    assert collected == [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios] + [SELFTEST_CUDA], collected
+    from mcore_ckpt_fixes.resume.configs import CONFIGS
+
+    resume = [f"{GPU_RESUME}[{c.name}]" for c in CONFIGS]  # every configuration the CPU check runs
+    assert collected == resume + [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios] + [SELFTEST_CUDA], collected
 
 
 def test_gpu_tests_fixtures_resolve():
