@@ -33,7 +33,12 @@ def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64, loc
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     rows, cols = 25, per_tensor // 25  # a 25 x 20 grid of (4, 8) chunks per tensor
     sdm, storage, ends = {}, {}, {}
@@ -48,7 +53,9 @@ def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64, loc
                 start = ends.get(rel, 0)
                 storage[MetadataIndex(fqn, off)] = _StorageInfo(relative_path=rel, offset=start, length=128)
                 ends[rel] = start + 128
-        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows * 4, cols * 8]), chunks)
+        sdm[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([rows * 4, cols * 8]), chunks
+        )
     os.makedirs(ckdir, exist_ok=True)
     md = Metadata(state_dict_metadata=sdm, storage_data=storage)
     if local_plans:
@@ -58,9 +65,15 @@ def build(ckdir: str, n_chunks: int, per_tensor: int = 500, ranks: int = 64, loc
     with open(os.path.join(ckdir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     # The common state as dist_checkpointing writes it up to 0.18: the doctor walks its pickle record.
-    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                           expert_model_parallel_size=1), "iteration": 1},
-               os.path.join(ckdir, "common.pt"))
+    torch.save(
+        {
+            "args": argparse.Namespace(
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
+            ),
+            "iteration": 1,
+        },
+        os.path.join(ckdir, "common.pt"),
+    )
     for rel, end in ends.items():
         with open(os.path.join(ckdir, rel), "wb") as f:
             f.truncate(end)  # sparse: right length, no data written
@@ -76,9 +89,13 @@ def _local_plans(sdm, ranks):
     items = [[] for _ in range(ranks)]
     for fqn, meta in sdm.items():
         for k, c in enumerate(meta.chunks):
-            items[k % ranks].append(WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                                              tensor_data=TensorWriteData(chunk=c, properties=meta.properties,
-                                                                          size=meta.size)))
+            items[k % ranks].append(
+                WriteItem(
+                    index=MetadataIndex(fqn, c.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=c, properties=meta.properties, size=meta.size),
+                )
+            )
     return [SavePlan(it) if r == 0 else pickle.loads(pickle.dumps(SavePlan(it))) for r, it in enumerate(items)]
 
 
@@ -107,18 +124,25 @@ def measure(root: str, runs: int) -> dict:
     for _ in range(runs):
         proc = subprocess.run([sys.executable, "-c", _CHILD, root], capture_output=True, text=True, check=True)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return {"seconds_median": round(statistics.median(r["seconds"] for r in out), 3),
-            "seconds_all": [round(r["seconds"], 3) for r in out], "bytes_read_max": max(r["bytes_read"] for r in out),
-            "peak_rss_max": max(r["peak_rss_bytes"] for r in out), "ok": all(r["ok"] for r in out),
-            "chunks_seen": out[-1]["chunks"]}
+    return {
+        "seconds_median": round(statistics.median(r["seconds"] for r in out), 3),
+        "seconds_all": [round(r["seconds"], 3) for r in out],
+        "bytes_read_max": max(r["bytes_read"] for r in out),
+        "peak_rss_max": max(r["peak_rss_bytes"] for r in out),
+        "ok": all(r["ok"] for r in out),
+        "chunks_seen": out[-1]["chunks"],
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--local-plans", action="store_true",
-                    help="also write all_local_plans (every rank's SavePlan), as Megatron-Core's torch_dist save does")
+    ap.add_argument(
+        "--local-plans",
+        action="store_true",
+        help="also write all_local_plans (every rank's SavePlan), as Megatron-Core's torch_dist save does",
+    )
     ns = ap.parse_args()
     failed = False
     for n_wanted in ns.chunks:
@@ -130,13 +154,25 @@ def main() -> int:
             md_size = os.path.getsize(os.path.join(ckdir, ".metadata"))
             m = measure(tmp, ns.runs)
         ratio = m["bytes_read_max"] / md_size
-        print(json.dumps({"chunks": n, "local_plans": ns.local_plans, "metadata_bytes": md_size, **m,
-                          "read_ratio": round(ratio, 4),
-                          "python": sys.version.split()[0]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "chunks": n,
+                    "local_plans": ns.local_plans,
+                    "metadata_bytes": md_size,
+                    **m,
+                    "read_ratio": round(ratio, 4),
+                    "python": sys.version.split()[0],
+                },
+                indent=2,
+            )
+        )
         ok = m["ok"] and m["chunks_seen"] == n and ratio <= 1.1
-        print(f"doctor_inspect: {n} chunks in {m['seconds_median']:.2f} s, read {m['bytes_read_max']} bytes = "
-              f"{ratio:.3f} x the .metadata size (goal <= 1.1), peak RSS {m['peak_rss_max'] / 2**20:.0f} MiB: "
-              f"{'PASS' if ok else 'FAIL'}")
+        print(
+            f"doctor_inspect: {n} chunks in {m['seconds_median']:.2f} s, read {m['bytes_read_max']} bytes = "
+            f"{ratio:.3f} x the .metadata size (goal <= 1.1), peak RSS {m['peak_rss_max'] / 2**20:.0f} MiB: "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
         failed |= not ok
     return 1 if failed else 0
 

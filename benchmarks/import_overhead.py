@@ -33,8 +33,14 @@ def main() -> int:
     ours = _time("import mcore_ckpt_fixes", args.runs) - base
     megatron = _time("import megatron.core", args.runs) - base
     heavy = subprocess.run(
-        [sys.executable, "-c", "import sys, mcore_ckpt_fixes; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'numpy'}))"],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, mcore_ckpt_fixes; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'numpy'}))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     result = {
         "runs": args.runs,

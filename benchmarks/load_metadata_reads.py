@@ -45,7 +45,9 @@ def _tensors(n, prefix, rank, fill):
 
     # One row of a (2, 4) tensor per data-parallel rank: two chunks per tensor in the checkpoint.
     return {
-        f"t{i}": ShardedTensor.from_rank_offsets(f"{prefix}t{i}", torch.full((1, 4), fill + i % 7, dtype=torch.float32), (0, rank, 2))
+        f"t{i}": ShardedTensor.from_rank_offsets(
+            f"{prefix}t{i}", torch.full((1, 4), fill + i % 7, dtype=torch.float32), (0, rank, 2)
+        )
         for i in range(n)
     }
 
@@ -86,8 +88,11 @@ def save(rank, world_size, root, tensors, device="cpu"):
 def _args():
     # What _load_global_dist_base_checkpoint reads of Megatron's arguments (their defaults).
     return types.SimpleNamespace(
-        ckpt_assume_constant_structure=False, stream_ckpt_dequant=True, ckpt_fully_parallel_load=False,
-        ckpt_load_validate_sharding_integrity=False, dist_ckpt_strictness="assume_ok_unexpected",
+        ckpt_assume_constant_structure=False,
+        stream_ckpt_dequant=True,
+        ckpt_fully_parallel_load=False,
+        ckpt_load_validate_sharding_integrity=False,
+        dist_ckpt_strictness="assume_ok_unexpected",
         verify_integrity=False,
     )
 
@@ -121,7 +126,11 @@ def load(rank, world_size, root, tensors, case, patched, device="cpu"):
             warnings.simplefilter("ignore")  # the old layout's MegatronPatchWarning (tests assert it)
             loaded = call()
         seconds, read = time.perf_counter() - start, _rchar() - before
-        wrong = [k for k in ("t0", f"t{tensors - 1}") if float(loaded[k][0, 0]) != (1.0 if case == "rng" else 2.0) + int(k[1:]) % 7]
+        wrong = [
+            k
+            for k in ("t0", f"t{tensors - 1}")
+            if float(loaded[k][0, 0]) != (1.0 if case == "rng" else 2.0) + int(k[1:]) % 7
+        ]
         assert not wrong, f"loaded values differ: {wrong}"
         rng = loaded.get("rng_state") if case == "rng" else None
         return {
@@ -129,7 +138,9 @@ def load(rank, world_size, root, tensors, case, patched, device="cpu"):
             "rchar": read,
             # the RNG entry this rank got: saved by rank 0 (the one old-layout copy) on every rank
             "rng_saved_by": rng[0]["rank"] if isinstance(rng, list) else None,
-            "wrapped": bool(getattr(checkpointing._load_global_dist_base_checkpoint, "__mcore_ckpt_fix__", None)) if case == "rng" else None,
+            "wrapped": bool(getattr(checkpointing._load_global_dist_base_checkpoint, "__mcore_ckpt_fix__", None))
+            if case == "rng"
+            else None,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -159,14 +170,25 @@ def main(tensors: int, repeats: int) -> int:
                     runs[patched].append(values(run_world(f"{__name__}:load", 2, kwargs, env=env, timeout=1800)))
             per_rank = []
             for rank in range(2):
-                med = {p: {k: statistics.median(r[rank][k] for r in runs[p]) for k in ("seconds", "rchar")} for p in runs}
-                per_rank.append({
-                    "unpatched": med[False], "patched": med[True],
-                    "bytes_ratio": round(med[True]["rchar"] / med[False]["rchar"], 5),
-                    "time_ratio": round(med[True]["seconds"] / med[False]["seconds"], 4),
-                    "wrapped": {"unpatched": runs[False][0][rank]["wrapped"], "patched": runs[True][0][rank]["wrapped"]},
-                    "rng_saved_by": {"unpatched": runs[False][0][rank]["rng_saved_by"], "patched": runs[True][0][rank]["rng_saved_by"]},
-                })
+                med = {
+                    p: {k: statistics.median(r[rank][k] for r in runs[p]) for k in ("seconds", "rchar")} for p in runs
+                }
+                per_rank.append(
+                    {
+                        "unpatched": med[False],
+                        "patched": med[True],
+                        "bytes_ratio": round(med[True]["rchar"] / med[False]["rchar"], 5),
+                        "time_ratio": round(med[True]["seconds"] / med[False]["seconds"], 4),
+                        "wrapped": {
+                            "unpatched": runs[False][0][rank]["wrapped"],
+                            "patched": runs[True][0][rank]["wrapped"],
+                        },
+                        "rng_saved_by": {
+                            "unpatched": runs[False][0][rank]["rng_saved_by"],
+                            "patched": runs[True][0][rank]["rng_saved_by"],
+                        },
+                    }
+                )
             out["cases"][case] = {
                 "per_rank": per_rank,
                 "bytes_ratio": max(r["bytes_ratio"] for r in per_rank),

@@ -27,7 +27,9 @@ def _request(n, prefix):
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    return {f"t{i}": ShardedTensor.from_rank_offsets(f"{prefix}optimizer.state.t{i}", torch.zeros(16)) for i in range(n)}
+    return {
+        f"t{i}": ShardedTensor.from_rank_offsets(f"{prefix}optimizer.state.t{i}", torch.zeros(16)) for i in range(n)
+    }
 
 
 def _best(fn, repeat):
@@ -40,7 +42,6 @@ def _best(fn, repeat):
 
 
 def main(n: int) -> int:
-    import torch
     import torch.distributed as dist
 
     from mcore_ckpt_fixes.testing import cpu_shims
@@ -80,8 +81,15 @@ def main(n: int) -> int:
             base = _best(lambda: upstream(_request(n, baseline_prefix), path), REPEAT)
             request = _request(n, request_prefix)
             extra = _best(lambda: added(request, path), 4 * REPEAT)
-            rows.append({"case": case, "keys": n, "upstream_load_s": round(base, 4), "wrapper_adds_s": round(extra, 5),
-                         "ratio": round((base + extra) / base, 4)})
+            rows.append(
+                {
+                    "case": case,
+                    "keys": n,
+                    "upstream_load_s": round(base, 4),
+                    "wrapper_adds_s": round(extra, 5),
+                    "ratio": round((base + extra) / base, 4),
+                }
+            )
     dist.destroy_process_group()
     print(json.dumps({"megatron_core": str(detect().version), "rows": rows}, indent=1))
     return 0

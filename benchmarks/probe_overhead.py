@@ -101,8 +101,13 @@ def sample(modules, kind: str, audit: bool = False):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MCORE_CKPT_FIX", "PYTHONDONTWRITEBYTECODE"))}
     if kind == "off":
         env["MCORE_CKPT_FIXES"] = "off"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(modules), kind, "audit" if audit else "time"],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(modules), kind, "audit" if audit else "time"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     noise, _, payload = proc.stdout.rpartition("\n@@")
     return json.loads(payload), (noise + proc.stderr).splitlines()
 
@@ -152,7 +157,7 @@ def main() -> int:
     on, off, late_imports, late_apply = [], [], [], []
     order = ("on", "off", "late")
     for i in range(args.rounds):
-        for kind in order[i % 3:] + order[: i % 3]:  # each kind first in turn
+        for kind in order[i % 3 :] + order[: i % 3]:  # each kind first in turn
             report = sample(modules, kind)[0]
             if kind == "late":
                 late_imports.append(report["imports"])

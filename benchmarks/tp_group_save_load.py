@@ -25,8 +25,12 @@ def main() -> int:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15  # fewer repeats: +-8 % noise here
     with tempfile.TemporaryDirectory() as d:
         per_rank = values(
-            run_world("mcore_ckpt_fixes.fixes.tp_group.classic_models:save_load_timing", 2,
-                      {"ckpt_dir": d, "repeats": repeats}, timeout=600)
+            run_world(
+                "mcore_ckpt_fixes.fixes.tp_group.classic_models:save_load_timing",
+                2,
+                {"ckpt_dir": d, "repeats": repeats},
+                timeout=600,
+            )
         )
     out = {
         "megatron_core": str(detect().version),

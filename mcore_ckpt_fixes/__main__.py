@@ -61,16 +61,30 @@ def _build_parser() -> "_Parser":
         "back exactly on every rank). Exit 0 only when every fix this release needs is exact with the fix "
         "on; 1 otherwise; 2 for bad usage.",
     )
-    p_self.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo, forked ranks (default); cuda: NCCL, spawned ranks, one GPU each")
-    p_self.add_argument("--nproc", type=_positive_int, default=None,
-                        help="run only the scenarios written for this many ranks (default: every scenario, "
-                             "each at the world size it is written for)")
-    p_self.add_argument("--json", action="store_true",
-                        help="print a JSON list of objects, one per fix (with --resume: one per configuration)")
-    p_self.add_argument("--resume", action="store_true",
-                        help="run the resume check instead: train, save, stop, resume in new processes, and "
-                             "compare with the uninterrupted run bit for bit, with the fixes on and off")
+    p_self.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo, forked ranks (default); cuda: NCCL, spawned ranks, one GPU each",
+    )
+    p_self.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="run only the scenarios written for this many ranks (default: every scenario, "
+        "each at the world size it is written for)",
+    )
+    p_self.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of objects, one per fix (with --resume: one per configuration)",
+    )
+    p_self.add_argument(
+        "--resume",
+        action="store_true",
+        help="run the resume check instead: train, save, stop, resume in new processes, and "
+        "compare with the uninterrupted run bit for bit, with the fixes on and off",
+    )
     p_insp = sub.add_parser(
         "inspect",
         help="the checkpoint doctor: what is on disk and whether a run with these sizes can read it",
@@ -86,7 +100,8 @@ def _build_parser() -> "_Parser":
     p_insp.add_argument("--iteration", type=_non_negative_int, help="inspect iter_N instead of the tracker's")
     p_insp.add_argument("--json", action="store_true", help="print one JSON object (the contract for tools)")
     p_insp.add_argument(
-        "--verify-hashes", action="store_true",
+        "--verify-hashes",
+        action="store_true",
         help="also compare the sha256 digests of Megatron-Core's integrity manifest (integrity.json): reads every "
         "byte of every listed file (without it the doctor reads metadata only)",
     )
@@ -119,8 +134,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "inspect":
         from .cli.inspect import run as run_inspect
 
-        return run_inspect(args.checkpoint, args.tp, args.pp, args.ep, args.iteration, as_json=args.json,
-                           verify_hashes=args.verify_hashes)
+        return run_inspect(
+            args.checkpoint,
+            args.tp,
+            args.pp,
+            args.ep,
+            args.iteration,
+            as_json=args.json,
+            verify_hashes=args.verify_hashes,
+        )
     return 2
 
 

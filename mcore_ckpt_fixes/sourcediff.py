@@ -45,7 +45,9 @@ class Replace(Edit):
     def apply(self, text):
         count = text.count(self.old)
         if count == 0 or (count != 1 and not self.every):
-            raise PatchgenError(f"{self.path}: anchor found {count} times (need {'1+' if self.every else 1}): {self.old!r}")
+            raise PatchgenError(
+                f"{self.path}: anchor found {count} times (need {'1+' if self.every else 1}): {self.old!r}"
+            )
         out, pos = [], 0
         while True:
             at = text.find(self.old, pos)
@@ -111,9 +113,11 @@ def render(src_root: str, edits) -> str:
         after = before
         for edit in by_path[path]:
             after = edit.apply(after)
-        out.extend(difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{path}", f"b/{path}"
-        ))
+        out.extend(
+            difflib.unified_diff(
+                before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{path}", f"b/{path}"
+            )
+        )
     return "".join(out)
 
 

@@ -70,7 +70,11 @@ def run_cli(args: list, env: dict | None = None, timeout: float = 300, preexec_f
     run in the child before it starts Python, e.g. to take privileges away)."""
     full_env = _child_env([ROOT], env)
     return subprocess.run(
-        [sys.executable, "-m", "mcore_ckpt_fixes", *args], env=full_env, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "mcore_ckpt_fixes", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         preexec_fn=preexec_fn,
     )
 

@@ -101,7 +101,7 @@ def test_readme_lists_every_fix_with_its_page():
 def _setup_section(readme):
     start = readme.index("## Set-up on a fresh machine: the two commands")
     end = readme.find("\n## ", start + 1)
-    return readme[start:end if end != -1 else None]
+    return readme[start : end if end != -1 else None]
 
 
 def _listed(path):
@@ -122,7 +122,7 @@ def test_readme_setup_commands_are_what_the_tools_run():
     main = _read("tools", "main.sh")
     default = re.search(r"rel=\$\{1:-([0-9.]+)\}", main).group(1)
     assert f"default Megatron-Core ({default}, CPU torch)" in rows[0]
-    assert 'pip install' in main and '"$ROOT"' in main and "-m mcore_ckpt_fixes selftest --device cpu" in main
+    assert "pip install" in main and '"$ROOT"' in main and "-m mcore_ckpt_fixes selftest --device cpu" in main
     # The test command: the counts the README gives are those of the lists tools/test.sh reads.
     lines, frameworks, releases = (len(_listed(f"tools/{n}.txt")) for n in ("releases", "frameworks", "sweep-releases"))
     claim = f"{lines} Megatron-Core release lines, {frameworks} framework lines, `status` on all {releases} releases"

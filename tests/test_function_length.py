@@ -14,8 +14,10 @@ PACKAGE = os.path.join(ROOT, "mcore_ckpt_fixes")
 ALLOWED = {
     # Replaces upstream's handle_gdn_in_state_dict (with its nested split_gdn_fused) in
     # fsdp_dtensor_checkpoint.py, in upstream's own structure: the source diff is that function.
-    ("mcore_ckpt_fixes/fixes/gdn_fsdp_split/upstream.py", "handle_gdn_in_state_dict"):
-        "mirrors upstream's handle_gdn_in_state_dict",
+    (
+        "mcore_ckpt_fixes/fixes/gdn_fsdp_split/upstream.py",
+        "handle_gdn_in_state_dict",
+    ): "mirrors upstream's handle_gdn_in_state_dict",
 }
 
 
@@ -44,9 +46,14 @@ def _all_long_functions():
 
 def test_no_function_over_80_lines():
     found = _all_long_functions()
-    over = sorted(f"{rel}:{line} {func} ({length} lines)" for (rel, func), (line, length) in found.items()
-                  if (rel, func) not in ALLOWED)
-    assert not over, "functions over 80 lines (split them, or list upstream-shaped code in ALLOWED):\n" + "\n".join(over)
+    over = sorted(
+        f"{rel}:{line} {func} ({length} lines)"
+        for (rel, func), (line, length) in found.items()
+        if (rel, func) not in ALLOWED
+    )
+    assert not over, "functions over 80 lines (split them, or list upstream-shaped code in ALLOWED):\n" + "\n".join(
+        over
+    )
 
 
 def test_allow_list_is_not_stale():

@@ -25,7 +25,11 @@ def _pytest_gpu(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", *args, "tests/gpu", SELFTEST_CUDA],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     return proc.stdout

@@ -70,8 +70,15 @@ def test_the_resume_checks_known_failure_is_catalogued_as_open():
 def _entry(bug_id, affected, status, silent=False):
     detail = {"fix": "tp-group", "how": "tried", "why": "because"}
     field = known_bugs.DETAIL[status]
-    return {"id": bug_id, "symptom": "s", "affected": affected, "upstream": ["x#1"], "status": status,
-            "silent": silent, field: detail[field]}
+    return {
+        "id": bug_id,
+        "symptom": "s",
+        "affected": affected,
+        "upstream": ["x#1"],
+        "status": status,
+        "silent": silent,
+        field: detail[field],
+    }
 
 
 def test_summary_counts_the_entries_whose_range_holds_the_release():
@@ -84,14 +91,30 @@ def test_summary_counts_the_entries_whose_range_holds_the_release():
     ]
     known_bugs.validate({"bugs": bugs}, ORDER)
     assert known_bugs.summary("0.17.1", bugs) == {
-        "fixed": 1, "guarded": 1, "open": 1, "not-in-scope": 0, "not-reproduced": 0}
+        "fixed": 1,
+        "guarded": 1,
+        "open": 1,
+        "not-in-scope": 0,
+        "not-reproduced": 0,
+    }
     assert known_bugs.summary("0.18.0", bugs) == {
-        "fixed": 0, "guarded": 0, "open": 1, "not-in-scope": 0, "not-reproduced": 1}
+        "fixed": 0,
+        "guarded": 0,
+        "open": 1,
+        "not-in-scope": 0,
+        "not-reproduced": 1,
+    }
     assert known_bugs.summary("0.16.1", bugs) == {
-        "fixed": 1, "guarded": 0, "open": 0, "not-in-scope": 1, "not-reproduced": 0}
+        "fixed": 1,
+        "guarded": 0,
+        "open": 0,
+        "not-in-scope": 1,
+        "not-reproduced": 0,
+    }
     assert known_bugs.status_line("0.17.1", bugs) == (
         "known bugs: 5 catalogued, 3 affect Megatron-Core 0.17.1: 1 fixed, 1 guarded, 1 open, 0 not in scope, "
-        "0 not reproduced (docs/known-bugs.md)")
+        "0 not reproduced (docs/known-bugs.md)"
+    )
     assert known_bugs.status_line(None, bugs) == "known bugs: 5 catalogued (docs/known-bugs.md)"
 
 
@@ -158,13 +181,21 @@ def test_malformed_catalogue_is_one_line_naming_entry_and_field(tmp_path, change
 
 def test_status_with_a_malformed_catalogue_says_so_in_one_line(tmp_path):
     """An edited installation: the fixes are still listed, then one line on stderr and exit 1."""
-    shutil.copytree(os.path.join(ROOT, "mcore_ckpt_fixes"), tmp_path / "mcore_ckpt_fixes",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(ROOT, "mcore_ckpt_fixes"),
+        tmp_path / "mcore_ckpt_fixes",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (tmp_path / "mcore_ckpt_fixes" / "known_bugs.json").write_text('{"bugs": [')
     # Run from the copy (python -m puts the working directory first on sys.path).
-    proc = subprocess.run([sys.executable, "-m", "mcore_ckpt_fixes", "status", "--no-import"], cwd=tmp_path,
-                          env=_child_env([], {"PYTHONPATH": str(tmp_path)}), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--no-import"],
+        cwd=tmp_path,
+        env=_child_env([], {"PYTHONPATH": str(tmp_path)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert [ln.split()[0] for ln in proc.stdout.splitlines()[1:] if not ln.startswith("    ")] == list(ORDER)
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("mcore-ckpt-fixes: known_bugs.json: not valid JSON")

@@ -42,13 +42,19 @@ def main(argv=None) -> int:
     try:
         for i in range(args.runs):
             start = time.monotonic()
-            results = run_world("mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip", nproc,
-                                {"ckpt_dir": tempfile.mkdtemp(prefix="mimo-stress-"), "patched": True},
-                                timeout=args.timeout)
+            results = run_world(
+                "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip",
+                nproc,
+                {"ckpt_dir": tempfile.mkdtemp(prefix="mimo-stress-"), "patched": True},
+                timeout=args.timeout,
+            )
             took = time.monotonic() - start
             times.append(took)
-            problems = [r.error if not r.ok else f"rank {r.rank}: {r.value['phase']}: {r.value['error']}"
-                        for r in results if not r.ok or r.value["error"] is not None]
+            problems = [
+                r.error if not r.ok else f"rank {r.rank}: {r.value['phase']}: {r.value['error']}"
+                for r in results
+                if not r.ok or r.value["error"] is not None
+            ]
             bad += bool(problems)
             print(f"run {i + 1}/{args.runs}: {'OK' if not problems else 'FAILED'} in {took:.1f} s", flush=True)
             for p in problems:
@@ -56,8 +62,10 @@ def main(argv=None) -> int:
     finally:
         for h in hogs:
             h.kill()
-    print(f"world {nproc}, {args.runs} runs under {args.load} busy loops: {bad} stalled or failed; "
-          f"median {statistics.median(times):.1f} s, max {max(times):.1f} s")
+    print(
+        f"world {nproc}, {args.runs} runs under {args.load} busy loops: {bad} stalled or failed; "
+        f"median {statistics.median(times):.1f} s, max {max(times):.1f} s"
+    )
     return 1 if bad else 0
 
 

@@ -22,7 +22,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS = os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcore-ckpt-fixes", "envs")
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcore-ckpt-fixes", "envs"
+)
 CONFIGS = ("moe-ep2", "dense-tp2")
 # (saved on, fixes there, resumed on, fixes there); "main" needs --main.
 PAIRS = (
@@ -36,8 +37,11 @@ MAIN_PAIRS = (
     ("0.19.2", "on", "main", "off"),  # main as upstream ships it, reading a fixed checkpoint
 )
 # Rows measured exact (docs/resume.md, "Across releases"): one that stops being exact fails the run.
-EXACT = {(s, sf, r, rf, c) for s, sf, r, rf in PAIRS for c in CONFIGS} | {
-    ("0.19.2", "on", "main", "on", c) for c in CONFIGS} | {("0.19.2", "off", "main", "on", "dense-tp2")}
+EXACT = (
+    {(s, sf, r, rf, c) for s, sf, r, rf in PAIRS for c in CONFIGS}
+    | {("0.19.2", "on", "main", "on", c) for c in CONFIGS}
+    | {("0.19.2", "off", "main", "on", "dense-tp2")}
+)
 # Raised inside every torch_dist load_checkpoint by torch itself, on a same-release resume too:
 # counted in the table, not spelled out.
 TORCH_NOISE = (
@@ -61,8 +65,14 @@ def _env(release, main_tree):
 def _run(release, main_tree, args, log):
     python, env = _env(release, main_tree)
     with open(log, "w") as f:
-        return subprocess.run([python, "-m", "mcore_ckpt_fixes.resume.across", *args], env=env,
-                              stdout=f, stderr=subprocess.STDOUT, timeout=900, check=False).returncode
+        return subprocess.run(
+            [python, "-m", "mcore_ckpt_fixes.resume.across", *args],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            check=False,
+        ).returncode
 
 
 def _saved(work, release, fixes, config, main_tree):
@@ -84,20 +94,32 @@ def _row(work, pair, config, main_tree):
     saved_on, saved_fixes, resumed_on, resumed_fixes = pair
     where = _saved(work, saved_on, saved_fixes, config, main_tree)
     verdict = os.path.join(work, f"{saved_on}-{saved_fixes}-{resumed_on}-{resumed_fixes}-{config}.json")
-    code = _run(resumed_on, main_tree, ["resume", config, where, "--fixes", resumed_fixes, "--out", verdict],
-                verdict[:-5] + ".log")
+    code = _run(
+        resumed_on,
+        main_tree,
+        ["resume", config, where, "--fixes", resumed_fixes, "--out", verdict],
+        verdict[:-5] + ".log",
+    )
     try:
         with open(verdict) as f:
             out = json.load(f)
     except (OSError, ValueError):
         out = {"verdict": "error", "line": f"resume exited {code} without a verdict (see {verdict[:-5]}.log)"}
-    return {"pair": pair, "config": config, "verdict": out["verdict"], "line": out["line"],
-            "warnings": _warnings(out), "cause": out.get("here", {}).get("cause")}
+    return {
+        "pair": pair,
+        "config": config,
+        "verdict": out["verdict"],
+        "line": out["line"],
+        "warnings": _warnings(out),
+        "cause": out.get("here", {}).get("cause"),
+    }
 
 
 def _print(rows, seconds, main_commit):
-    print(f"resume across releases: save (A, B) on one line, resume (C) on another; C vs A bit for bit "
-          f"({seconds:.0f} s){'; main at ' + main_commit if main_commit else ''}")
+    print(
+        f"resume across releases: save (A, B) on one line, resume (C) on another; C vs A bit for bit "
+        f"({seconds:.0f} s){'; main at ' + main_commit if main_commit else ''}"
+    )
     for r in rows:
         s, sf, y, yf = r["pair"]
         print(f"  {s} (fixes {sf}) -> {y} (fixes {yf})  {r['config']}: {r['line']}")
@@ -128,7 +150,9 @@ def main(argv):
     _print(rows, time.monotonic() - start, (commit or _main_commit(main_tree)) if main_tree else "")
     lost = [r for r in rows if (*r["pair"], r["config"]) in EXACT and r["verdict"] != "exact"]
     for r in lost:
-        print(f"resume_across: {' -> '.join(r['pair'][::2])} {r['config']} was exact, now: {r['line']}", file=sys.stderr)
+        print(
+            f"resume_across: {' -> '.join(r['pair'][::2])} {r['config']} was exact, now: {r['line']}", file=sys.stderr
+        )
     return 1 if lost else 0
 
 

@@ -15,7 +15,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = os.path.join(ROOT, "tools", "expected-status.json")
 ENVS = os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcore-ckpt-fixes", "envs")
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcore-ckpt-fixes", "envs"
+)
 
 
 def releases():
@@ -27,8 +28,13 @@ def releases():
 def status(release, python):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(ENVS, f"mcore-{release}"), ROOT]), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([os.path.join(ENVS, f"py{python}", "bin", "python"), "-m", "mcore_ckpt_fixes", "status", "--json"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [os.path.join(ENVS, f"py{python}", "bin", "python"), "-m", "mcore_ckpt_fixes", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"status_check: {release}: status exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return {row["id"]: row["state"] for row in json.loads(proc.stdout)}
@@ -60,8 +66,11 @@ def main(argv):
         with open(EXPECTED, "w") as f:
             json.dump(expected, f, indent=1, sort_keys=True)
             f.write("\n")
-    print(f"status_check: {len(names)} releases in {time.monotonic() - start:.0f} s: "
-          + ("OK" if not problems else f"{len(problems)} problem(s)"), file=sys.stderr)
+    print(
+        f"status_check: {len(names)} releases in {time.monotonic() - start:.0f} s: "
+        + ("OK" if not problems else f"{len(problems)} problem(s)"),
+        file=sys.stderr,
+    )
     for p in problems:
         print("status_check: " + p, file=sys.stderr)
     return 1 if problems else 0

@@ -15,10 +15,23 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tools", "sweep-selftest.json")
-SHORT = {"applied": "applied", "not-needed": "not-needed", "not-applicable": "n/a", "failed": "FAILED",
-         "pending": "pending", "disabled": "disabled"}
-VERDICT = {"pass": "PASS", "fail": "FAIL", "skipped": "skipped", "not-needed": "-", "not-applicable": "-",
-           "unverified": "NOT VERIFIED", "unimplemented": "-"}
+SHORT = {
+    "applied": "applied",
+    "not-needed": "not-needed",
+    "not-applicable": "n/a",
+    "failed": "FAILED",
+    "pending": "pending",
+    "disabled": "disabled",
+}
+VERDICT = {
+    "pass": "PASS",
+    "fail": "FAIL",
+    "skipped": "skipped",
+    "not-needed": "-",
+    "not-applicable": "-",
+    "unverified": "NOT VERIFIED",
+    "unimplemented": "-",
+}
 # The verdicts a cell shows: the fix was checked on this release (the others say why not in the state).
 SHOWN = ("pass", "fail", "unverified")
 

@@ -7,8 +7,15 @@ import sys
 from typing import Optional
 
 
-def run(path: str, tp: Optional[int], pp: Optional[int], ep: Optional[int], iteration: Optional[int],
-        as_json: bool, verify_hashes: bool = False) -> int:
+def run(
+    path: str,
+    tp: Optional[int],
+    pp: Optional[int],
+    ep: Optional[int],
+    iteration: Optional[int],
+    as_json: bool,
+    verify_hashes: bool = False,
+) -> int:
     from mcore_ckpt_fixes.doctor import Unreadable, inspect
     from mcore_ckpt_fixes.doctor.remedies import for_code
 
@@ -17,14 +24,26 @@ def run(path: str, tp: Optional[int], pp: Optional[int], ep: Optional[int], iter
     except Unreadable as exc:
         line = f"mcore-ckpt-fixes inspect: {exc}"
         if as_json:  # tools still get an object on stdout
-            print(json.dumps({"path": path, "format": "unknown", "iteration": iteration, "error": str(exc),
-                              "problems": [{"code": "unreadable", "message": str(exc),
-                                            "remedy": for_code("unreadable")}]}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "path": path,
+                        "format": "unknown",
+                        "iteration": iteration,
+                        "error": str(exc),
+                        "problems": [{"code": "unreadable", "message": str(exc), "remedy": for_code("unreadable")}],
+                    },
+                    indent=2,
+                )
+            )
         print(line, file=sys.stderr)
         return 2
     except Exception as exc:  # a doctor bug: still one line, never a traceback in the user's face
-        print(f"mcore-ckpt-fixes inspect: internal error reading {path}: {type(exc).__name__}: {exc} "
-              "(please report this with the checkpoint's file listing)", file=sys.stderr)
+        print(
+            f"mcore-ckpt-fixes inspect: internal error reading {path}: {type(exc).__name__}: {exc} "
+            "(please report this with the checkpoint's file listing)",
+            file=sys.stderr,
+        )
         return 2
     code = 1 if report.problems else 0
     try:

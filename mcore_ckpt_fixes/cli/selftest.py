@@ -33,6 +33,7 @@ from .selftest_judge import NEEDED_BY_STATE, NOT_APPLICABLE, expected_off, passe
 from .selftest_render import print_table
 from .selftest_run import captured, gpus_short, prepare, progress, run_scenario, set_aside_user_flags, stack
 
+
 def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     from mcore_ckpt_fixes.testing import for_fix
 
@@ -42,8 +43,12 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         return 2
     set_aside = set_aside_user_flags()
     if set_aside:
-        progress("selftest: ignoring " + ", ".join(f"{k}={v}" for k, v in set_aside.items())
-                 + ": each fix runs at its default (auto) and off", "\n")
+        progress(
+            "selftest: ignoring "
+            + ", ".join(f"{k}={v}" for k, v in set_aside.items())
+            + ": each fix runs at its default (auto) and off",
+            "\n",
+        )
     torch_version, stack_skip = stack(device, nproc)
     if torch_version is None:
         print(f"mcore-ckpt-fixes selftest: {stack_skip}", file=sys.stderr)

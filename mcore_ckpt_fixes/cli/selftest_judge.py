@@ -34,37 +34,53 @@ def rank_rows(results):
             # traceback's last line says what was raised.
             hung = r.error.startswith(f"rank {r.rank} did not finish")
             line = r.error.split(";")[0] if hung else last_line(r.error)
-            rows.append({"rank": r.rank, "ok": False, "error": line, "phase": None,
-                         "max_delta": None, "n_tensors": 0, "fix_state": None, "device": None,
-                         "traceback": r.error})
+            rows.append(
+                {
+                    "rank": r.rank,
+                    "ok": False,
+                    "error": line,
+                    "phase": None,
+                    "max_delta": None,
+                    "n_tensors": 0,
+                    "fix_state": None,
+                    "device": None,
+                    "traceback": r.error,
+                }
+            )
             continue
         v = r.value or {}
         deltas = v.get("max_delta") or {}
-        rows.append({
-            "rank": r.rank,
-            "ok": True,
-            "error": v.get("error"),
-            "phase": v.get("phase"),
-            "max_delta": worst(deltas.values()) if deltas else None,
-            "n_tensors": v.get("n_tensors", 0),
-            "fix_state": v.get("fix_state"),
-            "device": v.get("device"),
-            "traceback": v.get("traceback"),
-            "_value": v,
-        })
+        rows.append(
+            {
+                "rank": r.rank,
+                "ok": True,
+                "error": v.get("error"),
+                "phase": v.get("phase"),
+                "max_delta": worst(deltas.values()) if deltas else None,
+                "n_tensors": v.get("n_tensors", 0),
+                "fix_state": v.get("fix_state"),
+                "device": v.get("device"),
+                "traceback": v.get("traceback"),
+                "_value": v,
+            }
+        )
     return rows
 
 
 def is_exact(row) -> bool:
     value = row.get("_value")
     return bool(
-        row["ok"] and value is not None and value.get("error") is None and row["n_tensors"] > 0
+        row["ok"]
+        and value is not None
+        and value.get("error") is None
+        and row["n_tensors"] > 0
         and all(d == 0.0 for d in value["max_delta"].values())
     )
 
 
 def describe_ranks(rows) -> str:
     """One observation for all ranks when they agree, else per rank."""
+
     def one(row):
         if not row["ok"]:
             return f"rank crashed: {row['error']}"

@@ -6,6 +6,7 @@ import mcore_ckpt_fixes
 
 from .selftest_judge import passes
 
+
 def yes_no(value) -> str:
     return "-" if value is None else ("yes" if value else "no")
 
@@ -58,9 +59,11 @@ def verdict_text(e) -> str:
 
 def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
     how = "gloo, forked ranks" if device == "cpu" else "nccl, spawned ranks, one GPU each"
-    print(f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__} selftest: {info.describe()}; "
-          f"torch {torch_version}; --device {device} ({how}), "
-          + (f"--nproc {nproc}" if nproc is not None else "each scenario at its own world size"))
+    print(
+        f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__} selftest: {info.describe()}; "
+        f"torch {torch_version}; --device {device} ({how}), "
+        + (f"--nproc {nproc}" if nproc is not None else "each scenario at its own world size")
+    )
     pending = [e for e in rows if not e["implemented"]]
     for e in rows:
         if not e["implemented"]:
@@ -70,7 +73,14 @@ def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
         needed = {True: "yes", False: "no", None: "unknown"}[e["needed"]]
         print(f"  needed by this release: {needed} ({e['state']}; affected {e['affected']})")
         if e["scenarios"]:
-            header = ("scenario", "bug with fix off", "exact with fix on", "max |delta| per rank", "time", "observed with the fix off")
+            header = (
+                "scenario",
+                "bug with fix off",
+                "exact with fix on",
+                "max |delta| per rank",
+                "time",
+                "observed with the fix off",
+            )
             table = []
             for s in e["scenarios"]:
                 if s["skipped"] or s.get("error"):
@@ -80,10 +90,16 @@ def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
                 observed = shorten(s["fix_off"]["observed"])
                 if not s["exact"]:  # the failure itself is never shortened
                     observed += f"  | with the fix on: {s['fix_on']['observed']}"
-                table.append((
-                    s["name"], yes_no(s["reproduced"]), yes_no(s["exact"]),
-                    deltas(s["fix_on"]["max_delta_per_rank"]), f"{s['seconds']:.1f} s", observed,
-                ))
+                table.append(
+                    (
+                        s["name"],
+                        yes_no(s["reproduced"]),
+                        yes_no(s["exact"]),
+                        deltas(s["fix_on"]["max_delta_per_rank"]),
+                        f"{s['seconds']:.1f} s",
+                        observed,
+                    )
+                )
             widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header) - 1)]
             for r in [header, *table]:
                 print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
@@ -108,8 +124,10 @@ def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
     if code == 0 and all(e["needed"] is False for e in rows if e["implemented"]):
         print(f"selftest: PASS in {total:.0f} s: this release needs none of the implemented fixes ({checked})")
     elif code == 0:
-        print(f"selftest: PASS in {total:.0f} s: every implemented fix this release needs is exact with the "
-              f"fix on ({checked})")
+        print(
+            f"selftest: PASS in {total:.0f} s: every implemented fix this release needs is exact with the "
+            f"fix on ({checked})"
+        )
     else:
         failing = [e["id"] for e in rows if e["verdict"] == "fail"]
         unverified = [e["id"] for e in rows if not passes(e) and e["verdict"] != "fail"]

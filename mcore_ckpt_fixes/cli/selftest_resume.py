@@ -45,8 +45,10 @@ def describe(mode_out) -> str:
 def _print(rows, info, torch_version, device, total, code) -> None:
     from mcore_ckpt_fixes.resume.check import RESUME_AT, STEPS
 
-    print(f"resume check: Megatron-Core {info.version} ({info.source}), torch {torch_version}, {device}; "
-          f"{STEPS} steps uninterrupted vs stopped after {RESUME_AT} and resumed in new processes")
+    print(
+        f"resume check: Megatron-Core {info.version} ({info.source}), torch {torch_version}, {device}; "
+        f"{STEPS} steps uninterrupted vs stopped after {RESUME_AT} and resumed in new processes"
+    )
     for row in rows:
         print(f"  {row['config']}: {row['summary']}")
         if "not_applicable" in row:
@@ -54,12 +56,16 @@ def _print(rows, info, torch_version, device, total, code) -> None:
             continue
         print(f"    fixes on:  {describe(row['on'])}")
         if "known_bug" in row:
-            print(f"    known bug {row['known_bug']}, not fixed here yet (see the known-bugs catalogue); "
-                  "not counted in the verdict")
+            print(
+                f"    known bug {row['known_bug']}, not fixed here yet (see the known-bugs catalogue); "
+                "not counted in the verdict"
+            )
             continue
         note = _off_note(row)
         print(f"    fixes off: {describe(row['off'])}" + (f"  [{note}]" if note else ""))
-    verdict = "every configuration exact with the fixes on" if code == 0 else "a configuration is not exact with the fixes on"
+    verdict = (
+        "every configuration exact with the fixes on" if code == 0 else "a configuration is not exact with the fixes on"
+    )
     print(f"{'PASS' if code == 0 else 'FAIL'}: {verdict} ({total:.0f} s)")
 
 
@@ -82,8 +88,12 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         return 2
     set_aside = set_aside_user_flags()
     if set_aside:
-        progress("selftest --resume: ignoring " + ", ".join(f"{k}={v}" for k, v in set_aside.items())
-                 + ": the fixes run at their defaults (auto) and off", "\n")
+        progress(
+            "selftest --resume: ignoring "
+            + ", ".join(f"{k}={v}" for k, v in set_aside.items())
+            + ": the fixes run at their defaults (auto) and off",
+            "\n",
+        )
     import mcore_ckpt_fixes
 
     mcore_ckpt_fixes.revert()
@@ -103,9 +113,12 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
             if known:
                 row["known_bug"] = known
             rows.append(row)
-            progress(f" {row['on']['verdict']} with the fixes"
-                     + (f", {row['off']['verdict']} without" if "off" in row else f" (known bug {known})")
-                     + f" ({time.monotonic() - start:.0f} s)", "\n")
+            progress(
+                f" {row['on']['verdict']} with the fixes"
+                + (f", {row['off']['verdict']} without" if "off" in row else f" (known bug {known})")
+                + f" ({time.monotonic() - start:.0f} s)",
+                "\n",
+            )
     code = 0 if all(r["on"]["verdict"] == "exact" for r in rows if "known_bug" not in r) else 1
     if code == 0:
         os.unlink(log_path)

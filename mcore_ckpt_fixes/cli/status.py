@@ -103,8 +103,12 @@ def run_known_bugs(as_json: bool) -> int:
     shown = bugs if version is None else known_bugs.affecting(version, bugs)
     if as_json:
         counts = None if version is None else known_bugs.summary(version, bugs)
-        out = {"megatron_core": None if version is None else str(version), "catalogued": len(bugs),
-               "summary": counts, "bugs": shown}
+        out = {
+            "megatron_core": None if version is None else str(version),
+            "catalogued": len(bugs),
+            "summary": counts,
+            "bugs": shown,
+        }
         print(json.dumps(out, indent=2))
         return 0
     print(known_bugs.status_line(version, bugs))

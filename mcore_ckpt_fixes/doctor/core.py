@@ -24,8 +24,16 @@ def _is_checkpoint_dir(names) -> bool:
     return bool(legacy.parse_dirnames(names)) or dcp.is_distributed(names)
 
 
-def inspect(path: str, *, tp: Optional[int] = None, pp: Optional[int] = None, ep: Optional[int] = None,
-            iteration: Optional[int] = None, verify_hashes: bool = False, _fallback: bool = True) -> Report:
+def inspect(
+    path: str,
+    *,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    ep: Optional[int] = None,
+    iteration: Optional[int] = None,
+    verify_hashes: bool = False,
+    _fallback: bool = True,
+) -> Report:
     """Inspect the checkpoint at ``path`` (its root, or one ``iter_*`` directory) for a run with the given
     sizes (None: not given). Raises :class:`Unreadable` when there is nothing readable to inspect.
 
@@ -85,15 +93,21 @@ def _inspect(path: str, tp, pp, ep, iteration, verify_hashes: bool = False) -> R
     has_legacy = bool(legacy.parse_dirnames(ck_names))
     has_dist = dcp.is_distributed(ck_names)
     if has_legacy and has_dist:
-        report.problem("mixed-formats", "mp_rank_* directories and distributed checkpoint files in one directory: "
-                                        "Megatron picks torch_dist and ignores the mp_rank_* directories")
+        report.problem(
+            "mixed-formats",
+            "mp_rank_* directories and distributed checkpoint files in one directory: "
+            "Megatron picks torch_dist and ignores the mp_rank_* directories",
+        )
     if has_dist:
         dcp.analyze(report, ckdir, ck_names, run)
     elif has_legacy:
         legacy.analyze(report, ckdir, ck_names, run)
     else:
-        report.problem("empty-iteration", f"{ckdir} holds no mp_rank_* directories and no distributed checkpoint "
-                                          "files (.metadata, .distcp, metadata.json)")
+        report.problem(
+            "empty-iteration",
+            f"{ckdir} holds no mp_rank_* directories and no distributed checkpoint "
+            "files (.metadata, .distcp, metadata.json)",
+        )
     integrity.check(report, ckdir, ck_names, verify_hashes)
     return report
 
@@ -115,8 +129,14 @@ def _choose_iteration(report: Report, root: str, names, iteration: Optional[int]
         summary = f"{tracker.TRACKER} invalid"
     else:
         summary = f"{tracker.TRACKER} says {'release' if tr_release else tr_iter}"
-    report["tracker"] = {"file": tracker.TRACKER, "present": raw is not None, "value": raw,
-                         "iteration": tr_iter, "release": tr_release, "summary": summary}
+    report["tracker"] = {
+        "file": tracker.TRACKER,
+        "present": raw is not None,
+        "value": raw,
+        "iteration": tr_iter,
+        "release": tr_release,
+        "summary": summary,
+    }
 
     if raw is None:
         report.problem(
@@ -131,10 +151,14 @@ def _choose_iteration(report: Report, root: str, names, iteration: Optional[int]
         chosen = tracker.iteration_dirname(iteration)
         report["iteration"] = iteration
         if not tr_err and raw is not None and not tr_release and tr_iter != iteration:
-            report.note(f"--iteration {iteration} given; the tracker says {tr_iter} (Megatron loads that one "
-                        "unless --ckpt-step is set)")
+            report.note(
+                f"--iteration {iteration} given; the tracker says {tr_iter} (Megatron loads that one "
+                "unless --ckpt-step is set)"
+            )
         if not os.path.isdir(os.path.join(root, chosen)):
-            report.problem("iteration-missing", f"{chosen} does not exist (on disk: {_list_iters(on_disk, has_release)})")
+            report.problem(
+                "iteration-missing", f"{chosen} does not exist (on disk: {_list_iters(on_disk, has_release)})"
+            )
             return None
         return os.path.join(root, chosen)
 
@@ -151,8 +175,10 @@ def _choose_iteration(report: Report, root: str, names, iteration: Optional[int]
             return None
         later = [i for i in on_disk if tr_iter is not None and i > tr_iter]
         if later:
-            report.note(f"{len(later)} newer iteration directories than the tracker's ({tracker.iteration_dirname(later[-1])} "
-                        "is the newest): unfinished saves, or the tracker was not updated")
+            report.note(
+                f"{len(later)} newer iteration directories than the tracker's ({tracker.iteration_dirname(later[-1])} "
+                "is the newest): unfinished saves, or the tracker was not updated"
+            )
         return os.path.join(root, chosen)
 
     # No usable tracker: inspect what a user would look at next, the newest directory.

@@ -33,12 +33,19 @@ def check(shape: Sequence[int], chunks: Sequence[Box]) -> List[Tuple[str, str]]:
         if type(off) is not tuple or type(size) is not tuple:
             off, size = tuple(off), tuple(size)
         if len(off) != nd or len(size) != nd:
-            findings.append(("bad-chunk", f"chunk at {list(off)} of size {list(size)} has the wrong rank for shape {list(shape)}"))
+            findings.append(
+                ("bad-chunk", f"chunk at {list(off)} of size {list(size)} has the wrong rank for shape {list(shape)}")
+            )
             continue
         for o, s, d in zip(off, size, shape):
             if o < 0 or s < 0 or o + s > d:
-                findings.append(("out-of-bounds", f"chunk {_fmt(zip(off, (o + s for o, s in zip(off, size))))} "
-                                                  f"reaches outside shape {list(shape)}"))
+                findings.append(
+                    (
+                        "out-of-bounds",
+                        f"chunk {_fmt(zip(off, (o + s for o, s in zip(off, size))))} "
+                        f"reaches outside shape {list(shape)}",
+                    )
+                )
                 break
             if s == 0:  # an empty local shard covers nothing and overlaps nothing
                 break
@@ -108,7 +115,7 @@ def _sweep(boxes: List[Box], d: int, shape, prefix, findings) -> None:
         else:
             runs[-1].append(b)
             run_end = max(run_end, start + b[1][d])
-    rest = [(0, s) for s in shape[d + 1:]]
+    rest = [(0, s) for s in shape[d + 1 :]]
     pos = 0
     for run in runs:
         lo = run[0][0][d]
@@ -135,12 +142,14 @@ def _single(box: Box, d: int, shape, prefix, findings) -> None:
     off, size = box
     for k in range(d, len(shape)):
         if off[k] != 0 or size[k] != shape[k]:
-            rest = [(0, s) for s in shape[k + 1:]]
+            rest = [(0, s) for s in shape[k + 1 :]]
             span = [(off[j], off[j] + size[j]) for j in range(d, k)]
             if off[k] > 0:
                 findings.append(("gap", f"region {_fmt(prefix + span + [(0, off[k])] + rest)} is in no chunk"))
             if off[k] + size[k] < shape[k]:
-                findings.append(("gap", f"region {_fmt(prefix + span + [(off[k] + size[k], shape[k])] + rest)} is in no chunk"))
+                findings.append(
+                    ("gap", f"region {_fmt(prefix + span + [(off[k] + size[k], shape[k])] + rest)} is in no chunk")
+                )
             return
 
 
@@ -153,16 +162,23 @@ def _irregular(run: List[Box], d: int, shape, prefix, span, findings) -> None:
         active = [a for a in active if a[0][d] + a[1][d] > start]
         for a in active:
             if all(max(a[0][k], b[0][k]) < min(a[0][k] + a[1][k], b[0][k] + b[1][k]) for k in range(d + 1, len(shape))):
-                region = [(max(a[0][k], b[0][k]), min(a[0][k] + a[1][k], b[0][k] + b[1][k])) for k in range(d, len(shape))]
+                region = [
+                    (max(a[0][k], b[0][k]), min(a[0][k] + a[1][k], b[0][k] + b[1][k])) for k in range(d, len(shape))
+                ]
                 findings.append(("overlap", f"region {_fmt(prefix + region)} is written by more than one chunk"))
                 overlapped = True
                 if len(findings) > MAX_FINDINGS:
                     return
         active.append(b)
     if not overlapped:  # disjoint: the volumes tell whether the span is filled
-        inner = prod(shape[d + 1:])
+        inner = prod(shape[d + 1 :])
         covered = sum(prod(b[1][d:]) for b in run)
         if covered < (span[1] - span[0]) * inner:
             missing = (span[1] - span[0]) * inner - covered
-            findings.append(("gap", f"{missing} elements of region {_fmt(prefix + [span] + [(0, s) for s in shape[d + 1:]])} "
-                                    "are in no chunk"))
+            findings.append(
+                (
+                    "gap",
+                    f"{missing} elements of region {_fmt(prefix + [span] + [(0, s) for s in shape[d + 1 :]])} "
+                    "are in no chunk",
+                )
+            )

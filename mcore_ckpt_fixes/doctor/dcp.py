@@ -89,8 +89,9 @@ def _compact(md) -> "dcp_scan.Index":
         if chunks is None:
             sdm[fqn] = dcp_scan.BytesMeta()
         else:
-            sdm[fqn] = dcp_scan.TensorMeta(getattr(meta, "size", ()),
-                                           [(getattr(c, "offsets", ()), getattr(c, "sizes", ())) for c in chunks])
+            sdm[fqn] = dcp_scan.TensorMeta(
+                getattr(meta, "size", ()), [(getattr(c, "offsets", ()), getattr(c, "sizes", ())) for c in chunks]
+            )
     ends, objects = dcp_objects.object_ranges(getattr(md, "storage_data", None) or {})
     return dcp_scan.Index(sdm, ends, objects)
 
@@ -130,7 +131,7 @@ class Verdict:
 def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
     has_cfg, has_md = CONFIG in names, DCP_METADATA in names
     has_common = COMMON in names
-    cfg, cfg_err = (_read_config(os.path.join(ckdir, CONFIG), report) if has_cfg else (None, None))
+    cfg, cfg_err = _read_config(os.path.join(ckdir, CONFIG), report) if has_cfg else (None, None)
     if cfg_err:
         report.problem("metadata-json-unreadable", cfg_err)
     if not has_md:
@@ -164,8 +165,11 @@ def analyze(report, ckdir: str, names: List[str], run: dict) -> None:
 def _saved_args(common, objects: Dict[str, object]):
     """(the args the checkpoint saved, where): common.pt (up to 0.18), the embedded common state (0.19),
     or a plain ``args`` byte object (torch_dcp / fsdp_dtensor)."""
-    for where, record in ((COMMON, common), ("the embedded common state", objects.get(COMMON_KEY)),
-                          ("the args byte object", {"args": objects.get("args")})):
+    for where, record in (
+        (COMMON, common),
+        ("the embedded common state", objects.get(COMMON_KEY)),
+        ("the args byte object", {"args": objects.get("args")}),
+    ):
         if isinstance(record, list) and len(record) == 1:  # a ShardedObject's data as torch_dist stores it
             record = record[0]
         args = record.get("args") if isinstance(record, dict) else None
@@ -195,7 +199,9 @@ def _format(report, cfg, has_cfg: bool, has_common: bool, sdm, keys: List[str], 
         report["format"] = "torch_dist" if backend == "torch_dist" else "unknown"
         report["format_reason"] = f"{CONFIG}: sharded_backend={backend!r}, version {cfg.get('sharded_backend_version')}"
         if backend != "torch_dist":
-            report.problem("unsupported-backend", f"sharded_backend {backend!r}: releases 0.16-0.19 load torch_dist only")
+            report.problem(
+                "unsupported-backend", f"sharded_backend {backend!r}: releases 0.16-0.19 load torch_dist only"
+            )
             verdict.none(f"backend {backend!r}")
     elif has_cfg:
         report["format"] = "torch_dist"
@@ -203,8 +209,10 @@ def _format(report, cfg, has_cfg: bool, has_common: bool, sdm, keys: List[str], 
         verdict.none(f"{CONFIG} unreadable")
     elif looks_torch_dist:
         report["format"] = "torch_dist"
-        report["format_reason"] = (f"DCP files with dist_checkpointing's "
-                                   f"{'common.pt' if has_common else 'ShardedObject keys'}, but no {CONFIG}")
+        report["format_reason"] = (
+            f"DCP files with dist_checkpointing's "
+            f"{'common.pt' if has_common else 'ShardedObject keys'}, but no {CONFIG}"
+        )
         report.problem(
             "missing-metadata-json",
             f"no {CONFIG}: Megatron does not take this directory for a distributed checkpoint "
@@ -214,11 +222,14 @@ def _format(report, cfg, has_cfg: bool, has_common: bool, sdm, keys: List[str], 
         verdict.none(f"no {CONFIG}")
     else:
         fsdp = any(_FSDP_RNG.search(k) for k in keys) or any(
-            experts._GROUPED.match(k) for k in keys if ".experts." in k)
+            experts._GROUPED.match(k) for k in keys if ".experts." in k
+        )
         report["format"] = "fsdp_dtensor" if fsdp else "torch_dcp"
         report["format_reason"] = (
             "plain torch DCP (.metadata, no metadata.json) with Megatron-FSDP's keys (rng_state.(pp, tp) or "
-            "experts' weight{i})" if fsdp else "plain torch DCP (.metadata, no metadata.json)"
+            "experts' weight{i})"
+            if fsdp
+            else "plain torch DCP (.metadata, no metadata.json)"
         )
 
 
@@ -274,10 +285,13 @@ def _data_files(report, ckdir: str, md, verdict: Verdict) -> Dict[str, object]:
 def _experts(report, sdm, keys: List[str]) -> None:
     summary, found = experts.check(keys)
     n_single, single_found = experts.check_single_grouped(
-        {k: list(meta.size) for k, meta in sdm.items() if getattr(meta, "chunks", None) is not None})
+        {k: list(meta.size) for k, meta in sdm.items() if getattr(meta, "chunks", None) is not None}
+    )
     found += single_found
     if n_single:
-        summary = (summary + "; " if summary else "") + f"{n_single} single grouped expert tensor{'' if n_single == 1 else 's'}"
+        summary = (
+            summary + "; " if summary else ""
+        ) + f"{n_single} single grouped expert tensor{'' if n_single == 1 else 's'}"
     if summary:
         report["experts"] = summary
     report["expert_problems"] = []
@@ -301,9 +315,11 @@ def _common_state(report, sdm, has_common: bool, verdict: Verdict) -> None:
             verdict.reason = "common state embedded (no common.pt): releases before 0.19 require common.pt"
     else:
         report["common_state"] = "missing"
-        report.problem("common-state-missing",
-                       "neither common.pt nor an embedded common_state: the args, iteration and every "
-                       "non-tensor state are gone; no release can load this")
+        report.problem(
+            "common-state-missing",
+            "neither common.pt nor an embedded common_state: the args, iteration and every "
+            "non-tensor state are gone; no release can load this",
+        )
         verdict.none("no common state")
     if verdict.readable and not verdict.reason:
         verdict.reason = "common.pt present: 0.16-0.18 read it, 0.19 reads it as the legacy common state"
@@ -326,16 +342,22 @@ def _rng(report, keys: List[str], run: dict) -> None:
     if not offsets:
         return
     if len(shapes) > 1:
-        report.problem("rng-layout-mixed", f"RNG states saved with different layouts side by side: {sorted(map(str, shapes))}")
+        report.problem(
+            "rng-layout-mixed", f"RNG states saved with different layouts side by side: {sorted(map(str, shapes))}"
+        )
     dims = max(len(s) if isinstance(s, tuple) else s for s in shapes)
     ep = run.get("ep")
     if dims == 2:
-        report["rng_layout"] = ("2-D (pp, tp): one RNG state per (pp, tp), written by data-parallel rank 0; "
-                                "under EP > 1 every EP rank > 0 resumes on another rank's stream")
+        report["rng_layout"] = (
+            "2-D (pp, tp): one RNG state per (pp, tp), written by data-parallel rank 0; "
+            "under EP > 1 every EP rank > 0 resumes on another rank's stream"
+        )
         if ep is not None and ep > 1:
-            report.problem("rng-2d-under-ep",
-                           f"RNG state is 2-D (pp, tp) and this run uses ep={ep}: EP ranks > 0 will resume on "
-                           "data-parallel rank 0's RNG streams (see fix rng-under-ep)")
+            report.problem(
+                "rng-2d-under-ep",
+                f"RNG state is 2-D (pp, tp) and this run uses ep={ep}: EP ranks > 0 will resume on "
+                "data-parallel rank 0's RNG streams (see fix rng-under-ep)",
+            )
     else:
         report["rng_layout"] = f"{dims}-D: one RNG state per rank of every saved dimension (per EP rank)"
     for shape in (s for s in shapes if isinstance(s, tuple)):

@@ -162,7 +162,7 @@ def _unframe(f) -> bytearray:
         length = int.from_bytes(hdr[1:], "little")
         if n + length > size:
             raise EOFError("frame longer than the file")
-        got = f.readinto(view[n:n + length])
+        got = f.readinto(view[n : n + length])
         if got != length:
             raise EOFError("pickle data was truncated")
         n += length
@@ -298,7 +298,7 @@ class _Machine:
         then it is cut at each unit's fixed head and each body (the two int tuples, the only part that
         varies) is looked up in a cache: the chunks of a model repeat the same few boxes."""
         buf = self.buf
-        cls_ref = bytes(buf[pos:pos + (2 if buf[pos] == 0x68 else 5)])
+        cls_ref = bytes(buf[pos : pos + (2 if buf[pos] == 0x68 else 5)])
         refs = self._key_refs(("offsets", "sizes"))
         size_ref = self._size_ref()
         if refs is None or size_ref is None:
@@ -309,17 +309,29 @@ class _Machine:
             head = cls_ref + b")\x81\x94}\x94("
 
             def body(g):
-                return (e(refs[0]) + e(size_ref) + g(_INTS) + rb"\x85\x94R\x94"
-                        + e(refs[1]) + e(size_ref) + g(_INTS) + rb"\x85\x94R\x94ub")
-            self.chunk_re = (head, re.compile(body(lambda x: b"(" + x + b")"), re.S),
-                             re.compile(b"(?:" + e(head) + body(lambda x: b"(?:" + x + b")") + b")++", re.S))
+                return (
+                    e(refs[0])
+                    + e(size_ref)
+                    + g(_INTS)
+                    + rb"\x85\x94R\x94"
+                    + e(refs[1])
+                    + e(size_ref)
+                    + g(_INTS)
+                    + rb"\x85\x94R\x94ub"
+                )
+
+            self.chunk_re = (
+                head,
+                re.compile(body(lambda x: b"(" + x + b")"), re.S),
+                re.compile(b"(?:" + e(head) + body(lambda x: b"(?:" + x + b")") + b")++", re.S),
+            )
             self.chunk_key = key
             self.box_cache = {}
         head, body_re, run_re = self.chunk_re
         m = run_re.match(buf, pos)
         if m is None:
             return 0
-        bodies = bytes(buf[pos + len(head):m.end()]).split(head)
+        bodies = bytes(buf[pos + len(head) : m.end()]).split(head)
         cache = self.box_cache
         boxes = list(map(cache.get, bodies))
         if None in boxes:
@@ -349,7 +361,7 @@ class _Machine:
         if self.mi_keys is None or self.si_keys is None:
             return 0
         buf = self.buf
-        mi_ref = bytes(buf[pos:pos + (2 if buf[pos] == 0x68 else 5)])
+        mi_ref = bytes(buf[pos : pos + (2 if buf[pos] == 0x68 else 5)])
         si_idx = self.rev.get(("g", "torch.distributed.checkpoint.filesystem", "_StorageInfo"))
         mi_refs, si_refs, size_ref = self._key_refs(self.mi_keys), self._key_refs(self.si_keys), self._size_ref()
         if si_idx is None or mi_refs is None or si_refs is None or size_ref is None:
@@ -408,12 +420,17 @@ class _Machine:
         if self.mi_keys is None:
             return 0
         buf = self.buf
-        wi_ref = bytes(buf[pos:pos + (2 if buf[pos] == 0x68 else 5)])
+        wi_ref = bytes(buf[pos : pos + (2 if buf[pos] == 0x68 else 5)])
         g = self.rev.get
-        classes = [g(("g", _DCP_MD[:-1], "MetadataIndex")), g(("g", _DCP_PLANNER[:-1], "TensorWriteData")),
-                   g(("g", _DCP_MD[:-1], "TensorProperties")), g(("g", _DCP_MD[:-1], "ChunkStorageMetadata"))]
-        keys = self._key_refs(("index", "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size",
-                               "offsets", "sizes"))
+        classes = [
+            g(("g", _DCP_MD[:-1], "MetadataIndex")),
+            g(("g", _DCP_PLANNER[:-1], "TensorWriteData")),
+            g(("g", _DCP_MD[:-1], "TensorProperties")),
+            g(("g", _DCP_MD[:-1], "ChunkStorageMetadata")),
+        ]
+        keys = self._key_refs(
+            ("index", "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size", "offsets", "sizes")
+        )
         mi_refs, size_ref = self._key_refs(self.mi_keys), self._size_ref()
         if None in classes or keys is None or mi_refs is None or size_ref is None:
             return 0
@@ -454,22 +471,44 @@ class _Machine:
         head = rb"\)\x81\x94\}\x94\("
         built_size = e(size_ref) + _INTS + rb"\x85\x94R\x94"
         # groups: fqn spelled out, MetadataIndex's Size built, chunk built, properties built, Size built
-        mi_values = {"fqn": b"(?:" + _REF + b"|" + g(_STR) + b")", "index": b"(?:N|" + _INT + b")",
-                     "offset": b"(?:" + g(e(size_ref[:1])) + e(size_ref[1:]) + _INTS + rb"\x85\x94R\x94|" + _REF + b")"}
+        mi_values = {
+            "fqn": b"(?:" + _REF + b"|" + g(_STR) + b")",
+            "index": b"(?:N|" + _INT + b")",
+            "offset": b"(?:" + g(e(size_ref[:1])) + e(size_ref[1:]) + _INTS + rb"\x85\x94R\x94|" + _REF + b")",
+        }
         if sorted(self.mi_keys) != sorted(mi_values):
             return None
         mi = e(mi_cls) + head + b"".join(e(r) + mi_values[k] for k, r in zip(self.mi_keys, mi_refs)) + b"ub"
-        chunk = (b"(?:" + _REF + b"|" + g(e(chunk_cls)) + head + e(k_offsets) + built_size + e(k_sizes)
-                 + built_size + b"ub)")
+        chunk = (
+            b"(?:" + _REF + b"|" + g(e(chunk_cls)) + head + e(k_offsets) + built_size + e(k_sizes) + built_size + b"ub)"
+        )
         props = b"(?:" + _REF + b"|" + g(e(props_cls)) + rb"\)\x81\x94\((?:" + _REF + rb"|N|\x88|\x89){5}t\x94b)"
         size = b"(?:" + _REF + b"|" + g(e(size_ref[:1])) + e(size_ref[1:]) + _INTS + rb"\x85\x94R\x94)"
-        return (e(wi_ref) + head + e(k_index) + mi + e(k_type) + _REF + e(k_bytes) + b"N" + e(k_td) + e(twd_cls) + head
-                + e(k_chunk) + chunk + e(k_props) + props + e(k_size) + size + b"ubub")
+        return (
+            e(wi_ref)
+            + head
+            + e(k_index)
+            + mi
+            + e(k_type)
+            + _REF
+            + e(k_bytes)
+            + b"N"
+            + e(k_td)
+            + e(twd_cls)
+            + head
+            + e(k_chunk)
+            + chunk
+            + e(k_props)
+            + props
+            + e(k_size)
+            + size
+            + b"ubub"
+        )
 
     def _storage_regex(self, mi_ref, si_ref, mi_refs, si_refs, size_ref):
-        if [k for k in self.mi_keys if k in ("fqn", "offset")] != ["fqn", "offset"] or \
-                [k for k in self.si_keys if k in ("relative_path", "offset", "length")] != \
-                ["relative_path", "offset", "length"]:
+        if [k for k in self.mi_keys if k in ("fqn", "offset")] != ["fqn", "offset"] or [
+            k for k in self.si_keys if k in ("relative_path", "offset", "length")
+        ] != ["relative_path", "offset", "length"]:
             return None
         e = re.escape
         known = {"fqn", "index", "offset"}, {"relative_path", "offset", "length", "transform_descriptors"}
@@ -478,16 +517,29 @@ class _Machine:
 
         def unit(g):  # g(x): x as a group (for findall) or not (for the run, whose groups cost time)
             # groups: fqn spelled out (else empty: a reference), torch.Size built (else empty), path, offset, length
-            values = {"fqn": b"(?:" + _REF + b"|" + g(_STR) + b")", "index": b"(?:N|" + _INT + b")",
-                      "offset": b"(?:" + g(e(size_ref[:1])) + e(size_ref[1:]) + _INTS + rb"\x85\x94R\x94|" + _REF + b")"}
-            si_values = {"relative_path": g(_REF + b"|" + _STR), "offset": g(_INT), "length": g(_INT),
-                         "transform_descriptors": b"N"}
-            return b"".join([e(mi_ref) + rb"\)\x81\x94\}\x94\("]
-                            + [e(r) + values[k] for k, r in zip(self.mi_keys, mi_refs)]
-                            + [b"ub" + e(si_ref) + rb"\)\x81\x94\}\x94\("]
-                            + [e(r) + si_values[k] for k, r in zip(self.si_keys, si_refs)] + [b"ub"])
-        return (re.compile(unit(lambda x: b"(" + x + b")"), re.S),
-                re.compile(b"(?:" + unit(lambda x: b"(?:" + x + b")") + b")++", re.S))
+            values = {
+                "fqn": b"(?:" + _REF + b"|" + g(_STR) + b")",
+                "index": b"(?:N|" + _INT + b")",
+                "offset": b"(?:" + g(e(size_ref[:1])) + e(size_ref[1:]) + _INTS + rb"\x85\x94R\x94|" + _REF + b")",
+            }
+            si_values = {
+                "relative_path": g(_REF + b"|" + _STR),
+                "offset": g(_INT),
+                "length": g(_INT),
+                "transform_descriptors": b"N",
+            }
+            return b"".join(
+                [e(mi_ref) + rb"\)\x81\x94\}\x94\("]
+                + [e(r) + values[k] for k, r in zip(self.mi_keys, mi_refs)]
+                + [b"ub" + e(si_ref) + rb"\)\x81\x94\}\x94\("]
+                + [e(r) + si_values[k] for k, r in zip(self.si_keys, si_refs)]
+                + [b"ub"]
+            )
+
+        return (
+            re.compile(unit(lambda x: b"(" + x + b")"), re.S),
+            re.compile(b"(?:" + unit(lambda x: b"(?:" + x + b")") + b")++", re.S),
+        )
 
     # -- the result ---------------------------------------------------------------------------
     def _finish(self, top) -> Index:
@@ -547,4 +599,3 @@ _HOT_RUNS = {  # class (as safe_pickle names its stand-in) -> the matcher of its
     _DCP_MD + "MetadataIndex": _Machine._storage_run,
     _DCP_PLANNER + "WriteItem": _Machine._write_item_run,
 }
-

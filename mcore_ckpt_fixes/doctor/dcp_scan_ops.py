@@ -43,6 +43,7 @@ def _op(*codes):
         for code in codes:
             OPS[code] = handler
         return handler
+
     return register
 
 
@@ -69,8 +70,9 @@ def _sized(width: int, make):
     def handler(m, buf, pos, stack, marks):
         n = buf[pos] if width == 1 else _unpack(fmt, buf, pos)[0]
         start = pos + width
-        stack.append(make(bytes(buf[start:start + n])))
+        stack.append(make(bytes(buf[start : start + n])))
         return start + n
+
     return handler
 
 
@@ -91,7 +93,7 @@ def _long4(m, buf, pos, stack, marks):
     n = _unpack("<i", buf, pos)[0]
     if n < 0 or n > 1 << 20:
         raise Fallback("LONG4")
-    stack.append(int.from_bytes(buf[pos + 4:pos + 4 + n], "little", signed=True))
+    stack.append(int.from_bytes(buf[pos + 4 : pos + 4 + n], "little", signed=True))
     return pos + 4 + n
 
 
@@ -108,6 +110,7 @@ def _fixed(fmt: str):
     def handler(m, buf, pos, stack, marks):
         stack.append(_unpack(fmt, buf, pos)[0])
         return pos + width
+
     return handler
 
 
@@ -118,9 +121,11 @@ OPS[0x47] = _fixed(">d")  # BINFLOAT
 
 def _push(make):
     """An opcode without operand that pushes ``make()``."""
+
     def handler(m, buf, pos, stack, marks):
         stack.append(make())
         return pos
+
     return handler
 
 

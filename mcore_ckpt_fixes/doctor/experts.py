@@ -24,7 +24,9 @@ from typing import Dict, Iterable, List, Set, Tuple
 # One tensor of a rank's experts per GEMM, dim 0 the expert (moe_single_grouped_weight / _bias, 0.18+).
 _SINGLE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>linear_fc\d\.(?:weight|bias))(?P<suffix>(?:\.\D.*)?)$")
 _SEQUENTIAL = re.compile(r"^(?P<prefix>.*\.experts)\.local_experts\.(?P<idx>\d+)\.(?P<param>.+)$")
-_GROUPED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>(?:[\w]+\.)*?(?:weight|bias))(?P<idx>\d+)(?P<suffix>(?:\..+)?)$")
+_GROUPED = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<param>(?:[\w]+\.)*?(?:weight|bias))(?P<idx>\d+)(?P<suffix>(?:\..+)?)$"
+)
 
 
 def _parse(fqn: str):
@@ -79,34 +81,44 @@ def check(fqns: Iterable[str]) -> Tuple[str, List[Tuple[str, str]]]:
             union |= set(by_idx)
             for idx, spellings in by_idx.items():
                 if len(spellings) > 1:
-                    findings.append((
-                        "expert-duplicate",
-                        f"{prefix}: expert {idx} of {param} is stored {len(spellings)} times "
-                        f"({', '.join(sorted(spellings))}): a load reads one of them",
-                    ))
+                    findings.append(
+                        (
+                            "expert-duplicate",
+                            f"{prefix}: expert {idx} of {param} is stored {len(spellings)} times "
+                            f"({', '.join(sorted(spellings))}): a load reads one of them",
+                        )
+                    )
         n = max(union) + 1
         counts.add(n)
         gaps = set(range(n)) - union
         if gaps:
-            findings.append((
-                "expert-missing",
-                f"{prefix}: global expert indices {_ranges(gaps)} are in no key (indices present: {_ranges(union)})",
-            ))
+            findings.append(
+                (
+                    "expert-missing",
+                    f"{prefix}: global expert indices {_ranges(gaps)} are in no key (indices present: {_ranges(union)})",
+                )
+            )
         for param in sorted(params):
             have = set(params[param])
             lacking = union - have
             if not lacking:
                 continue
             local = have == set(range(len(have))) and len(union) % len(have) == 0
-            why = (f"EP ranks wrote it under their local indices {_ranges(have)}, so {len(union) // len(have)} "
-                   "ranks wrote the same keys and all but one were dropped (see fix expert-keys)"
-                   if local else "those experts' values are not in the checkpoint")
-            findings.append((
-                "expert-key-collision" if local else "expert-missing",
-                f"{prefix}: {param} has experts {_ranges(have)}, its sibling parameters {_ranges(union)}: {why}",
-            ))
-    summary = (f"{n_keys} expert keys in {len(seen)} expert blocks, "
-               f"{'/'.join(str(c) for c in sorted(counts))} experts each")
+            why = (
+                f"EP ranks wrote it under their local indices {_ranges(have)}, so {len(union) // len(have)} "
+                "ranks wrote the same keys and all but one were dropped (see fix expert-keys)"
+                if local
+                else "those experts' values are not in the checkpoint"
+            )
+            findings.append(
+                (
+                    "expert-key-collision" if local else "expert-missing",
+                    f"{prefix}: {param} has experts {_ranges(have)}, its sibling parameters {_ranges(union)}: {why}",
+                )
+            )
+    summary = (
+        f"{n_keys} expert keys in {len(seen)} expert blocks, {'/'.join(str(c) for c in sorted(counts))} experts each"
+    )
     return summary, findings
 
 
@@ -132,10 +144,12 @@ def check_single_grouped(sizes: Dict[str, List[int]]) -> Tuple[int, List[Tuple[s
         else:
             continue  # nothing in the checkpoint says how many experts the layer has
         if sizes[fqn][0] < experts:
-            findings.append((
-                "expert-key-collision",
-                f"{fqn}: one grouped tensor of {sizes[fqn][0]} experts (shape {sizes[fqn]}) where the layer has "
-                f"{experts} ({source}): each EP rank wrote its own experts under this key and one copy was kept "
-                "(an unfixed Megatron-Core under expert parallelism; see fix expert-keys)",
-            ))
+            findings.append(
+                (
+                    "expert-key-collision",
+                    f"{fqn}: one grouped tensor of {sizes[fqn][0]} experts (shape {sizes[fqn]}) where the layer has "
+                    f"{experts} ({source}): each EP rank wrote its own experts under this key and one copy was kept "
+                    "(an unfixed Megatron-Core under expert parallelism; see fix expert-keys)",
+                )
+            )
     return n, findings

@@ -22,7 +22,8 @@ def unsafe_pickle(report, rel: str, exc: safe_pickle.UnsafeGlobal, how: str = UN
         "unsafe-pickle",
         f"{rel}: its pickle calls {exc.qualname}, which is not on the doctor's allow-list (not run here); "
         f"{how}, which would run it",
-        file=rel, callable=exc.qualname,
+        file=rel,
+        callable=exc.qualname,
     )
 
 
@@ -53,8 +54,11 @@ def damaged(report, rel: str, why: str) -> dict:
 
 
 def unreadable(report, rel: str, exc: OSError) -> dict:
-    return report.problem("unreadable-file", f"{rel} cannot be opened: {exc.strerror or exc} "
-                                             "(the load of every rank that needs it fails the same way)", file=rel)
+    return report.problem(
+        "unreadable-file",
+        f"{rel} cannot be opened: {exc.strerror or exc} (the load of every rank that needs it fails the same way)",
+        file=rel,
+    )
 
 
 def check_openable(report, ckdir: str, rel: str) -> bool:

@@ -84,31 +84,48 @@ def check(report, ckdir: str, names: List[str], verify_hashes: bool = False) -> 
         elif manifest_mtime is not None and st.st_mtime_ns > manifest_mtime:
             newer.append(name)
     for name in missing:
-        _mismatch(report, f"{name} is listed in {MANIFEST} but missing: a load with --verify-integrity "
-                          "fails ('file missing or unreadable'); one without it loads without that file's data")
+        _mismatch(
+            report,
+            f"{name} is listed in {MANIFEST} but missing: a load with --verify-integrity "
+            "fails ('file missing or unreadable'); one without it loads without that file's data",
+        )
     for name in not_files:
         _mismatch(report, f"{name} is listed in {MANIFEST} as a file but is not a regular file")
-    unlisted = [n for n in names if n != MANIFEST and n not in listed and _LOAD_READS.match(n)
-                and os.path.isfile(os.path.join(ckdir, n))]
+    unlisted = [
+        n
+        for n in names
+        if n != MANIFEST and n not in listed and _LOAD_READS.match(n) and os.path.isfile(os.path.join(ckdir, n))
+    ]
     for name in unlisted:
-        report.problem("integrity-unlisted",
-                       f"{name} is read by a load but not listed in {MANIFEST}: it was added or renamed after the "
-                       "save wrote the manifest, so --verify-integrity does not cover it", file=name)
+        report.problem(
+            "integrity-unlisted",
+            f"{name} is read by a load but not listed in {MANIFEST}: it was added or renamed after the "
+            "save wrote the manifest, so --verify-integrity does not cover it",
+            file=name,
+        )
     if newer:
         shown = ", ".join(newer[:5]) + (f", ... ({len(newer)} in all)" if len(newer) > 5 else "")
-        report.note(f"{shown} modified after {MANIFEST} was written (mtime; a copy that did not keep mtimes "
-                    f"shows this too){'' if verify_hashes else ': compare the digests to tell (--verify-hashes)'}")
+        report.note(
+            f"{shown} modified after {MANIFEST} was written (mtime; a copy that did not keep mtimes "
+            f"shows this too){'' if verify_hashes else ': compare the digests to tell (--verify-hashes)'}"
+        )
     info["missing"], info["unlisted"], info["modified_after_manifest"] = missing, unlisted, newer
 
     if not verify_hashes:
         info["hashes"] = "not compared"
-        info["summary"] = (f"{len(listed)} files listed ({algorithm}), {len(listed) - len(missing)} present; "
-                           + VERIFY_HINT)
+        info["summary"] = (
+            f"{len(listed)} files listed ({algorithm}), {len(listed) - len(missing)} present; " + VERIFY_HINT
+        )
         return
+    _compare_digests(report, info, ckdir, algorithm, listed, skip=set(missing) | set(not_files))
+
+
+def _compare_digests(report, info, ckdir: str, algorithm: str, listed: dict, skip: set) -> None:
+    """--verify-hashes: every listed file present (not in ``skip``) hashed and compared."""
     differ, hashed = [], 0
     before = report.bytes_read
     for name in sorted(listed):
-        if name in missing or name in not_files:
+        if name in skip:
             continue
         want = listed[name]
         try:
@@ -119,13 +136,19 @@ def check(report, ckdir: str, names: List[str], verify_hashes: bool = False) -> 
         hashed += 1
         if got != want:
             differ.append(name)
-            _mismatch(report, f"{name}: {ALGORITHM} {got[:16]}... differs from {MANIFEST}'s {want[:16]}...: the file "
-                              "changed after the save; a load with --verify-integrity refuses this checkpoint, one "
-                              "without it reads the changed bytes", sha256=got, expected=want)
+            _mismatch(
+                report,
+                f"{name}: {ALGORITHM} {got[:16]}... differs from {MANIFEST}'s {want[:16]}...: the file "
+                "changed after the save; a load with --verify-integrity refuses this checkpoint, one "
+                "without it reads the changed bytes",
+                sha256=got,
+                expected=want,
+            )
     info["hashes"] = "compared"
     info["hashed_files"], info["hashed_bytes"], info["differ"] = hashed, report.bytes_read - before, differ
-    info["summary"] = (f"{len(listed)} files listed ({algorithm}), {hashed} hashed: "
-                       + (f"{len(differ)} differ" if differ else "all digests match"))
+    info["summary"] = f"{len(listed)} files listed ({algorithm}), {hashed} hashed: " + (
+        f"{len(differ)} differ" if differ else "all digests match"
+    )
 
 
 def _read(report, path: str) -> Optional[tuple]:
@@ -148,16 +171,24 @@ def _read(report, path: str) -> Optional[tuple]:
     files = data.get("files") if isinstance(data, dict) else None
     algorithm = data.get("algorithm", ALGORITHM) if isinstance(data, dict) else None
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        _mismatch(report, f"{MANIFEST} has no 'files' object of name -> digest: not the manifest Megatron writes; "
-                          "a load with --verify-integrity fails")
+        _mismatch(
+            report,
+            f"{MANIFEST} has no 'files' object of name -> digest: not the manifest Megatron writes; "
+            "a load with --verify-integrity fails",
+        )
         return None
     if algorithm != ALGORITHM:
-        _mismatch(report, f"{MANIFEST} uses algorithm {algorithm!r}; Megatron-Core accepts only {ALGORITHM!r} "
-                          "(a load with --verify-integrity raises)")
+        _mismatch(
+            report,
+            f"{MANIFEST} uses algorithm {algorithm!r}; Megatron-Core accepts only {ALGORITHM!r} "
+            "(a load with --verify-integrity raises)",
+        )
         return None
     bad = [k for k, v in files.items() if not _HEX.match(v) or os.sep in k or k in ("", ".", "..")]
     if bad:
-        _mismatch(report, f"{MANIFEST}: {len(bad)} entries are not a file name with a {ALGORITHM} hex digest "
-                          f"(first: {bad[0]!r})")
+        _mismatch(
+            report,
+            f"{MANIFEST}: {len(bad)} entries are not a file name with a {ALGORITHM} hex digest (first: {bad[0]!r})",
+        )
         files = {k: v for k, v in files.items() if k not in bad}
     return algorithm, files

@@ -33,9 +33,7 @@ def shard_dirname(tp_rank: int, pp_rank: int = 0, ep_rank: int = 0, *, pp_size: 
 
 
 def expected_dirnames(tp: int, pp: int, ep: int) -> List[str]:
-    return [
-        shard_dirname(t, p, e, pp_size=pp, ep_size=ep) for p in range(pp) for t in range(tp) for e in range(ep)
-    ]
+    return [shard_dirname(t, p, e, pp_size=pp, ep_size=ep) for p in range(pp) for t in range(tp) for e in range(ep)]
 
 
 def layout_of(pp: int, ep: int) -> str:
@@ -117,11 +115,17 @@ def _second_index_from_run(run: dict) -> Tuple[Optional[str], str]:
             return ("pp" if pp > 1 else "ep"), f"from the sizes given (--pp {pp} --ep {ep})"
         return None, f"the sizes given (--pp {pp} --ep {ep}) expect {layout_of(pp, ep)} names"
     if pp is not None:
-        return ("pp", f"from --pp {pp}: with pp > 1, two indices mean ep = 1") if pp > 1 else (
-            "ep", f"from --pp {pp}: with pp = 1 only ep > 1 adds a second index")
+        return (
+            ("pp", f"from --pp {pp}: with pp > 1, two indices mean ep = 1")
+            if pp > 1
+            else ("ep", f"from --pp {pp}: with pp = 1 only ep > 1 adds a second index")
+        )
     if ep is not None:
-        return ("ep", f"from --ep {ep}: with ep > 1, two indices mean pp = 1") if ep > 1 else (
-            "pp", f"from --ep {ep}: with ep = 1 only pp > 1 adds a second index")
+        return (
+            ("ep", f"from --ep {ep}: with ep > 1, two indices mean pp = 1")
+            if ep > 1
+            else ("pp", f"from --ep {ep}: with ep = 1 only pp > 1 adds a second index")
+        )
     return None, "no --pp/--ep given"
 
 
@@ -170,8 +174,7 @@ def _classify(report, n: int, saved: Optional[dict], run: dict) -> Tuple[str, Op
     else:
         if saved and saved["pp"] is not None and saved["ep"] is not None and (saved["pp"] > 1) != (saved["ep"] > 1):
             second = "pp" if saved["pp"] > 1 else "ep"
-            how = (f"saved args: pipeline_model_parallel_size={saved['pp']}, "
-                   f"expert_model_parallel_size={saved['ep']}")
+            how = f"saved args: pipeline_model_parallel_size={saved['pp']}, expert_model_parallel_size={saved['ep']}"
         else:
             if saved:
                 report.problem(
@@ -185,12 +188,20 @@ def _classify(report, n: int, saved: Optional[dict], run: dict) -> Tuple[str, Op
         if second == "pp":
             layout, reason = "2D", f"two indices, mp_rank_{{tp:02d}}_{{pp:03d}}: pp > 1, ep = 1 ({how})"
         elif second == "ep":
-            layout, reason = "2D", (f"two indices, mp_rank_{{tp:02d}}_{{ep:03d}}: the second index is the EP rank "
-                                    f"(pp = 1, ep > 1; {how})")
+            layout, reason = (
+                "2D",
+                (
+                    f"two indices, mp_rank_{{tp:02d}}_{{ep:03d}}: the second index is the EP rank "
+                    f"(pp = 1, ep > 1; {how})"
+                ),
+            )
         else:
-            layout, reason = "ambiguous", (
-                "two indices, mp_rank_{tp:02d}_{xxx:03d}: pipeline rank (pp > 1, ep = 1) or expert rank "
-                f"(pp = 1, ep > 1), the names cannot tell ({how})"
+            layout, reason = (
+                "ambiguous",
+                (
+                    "two indices, mp_rank_{tp:02d}_{xxx:03d}: pipeline rank (pp > 1, ep = 1) or expert rank "
+                    f"(pp = 1, ep > 1), the names cannot tell ({how})"
+                ),
             )
             report.problem(
                 "ambiguous-layout",
@@ -237,7 +248,12 @@ def _compare_names(report, parsed, disk, tp, pp, ep) -> set:
     expected_set = set(expected)
     missing = sorted(e for e in expected if e not in parsed)
     extra = [p for p in present if p not in expected_set]
-    report["expected"], report["on_disk"], report["missing"], report["extra"] = sorted(expected), present, missing, extra
+    report["expected"], report["on_disk"], report["missing"], report["extra"] = (
+        sorted(expected),
+        present,
+        missing,
+        extra,
+    )
     return expected_set
 
 
@@ -245,8 +261,10 @@ def _loader(report, layout: str, n: int, second: Optional[str], ep: Optional[int
     needs_ep = (ep is not None and ep > 1) or n == 3 or second == "ep" or layout == "ambiguous"
     report["loader"] = "ep-aware" if needs_ep else "non-ep"
     if layout == "ambiguous":
-        report["loader_reason"] = ("a loader that ignores EP reads the second index as the pipeline rank; only one "
-                                   "that knows the expert parallel size reads either case right")
+        report["loader_reason"] = (
+            "a loader that ignores EP reads the second index as the pipeline rank; only one "
+            "that knows the expert parallel size reads either case right"
+        )
     elif needs_ep:
         report["loader_reason"] = "the names carry an expert-parallel index (ep > 1): the loader must branch on EP"
     else:
@@ -259,7 +277,8 @@ def _name_problems(report, n: int, second: Optional[str], pp: Optional[int], ep:
         report.problem(
             "missing-shard-dirs",
             f"{len(missing)} of {len(expected)} directories the run needs are not on disk: "
-            + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            + ", ".join(missing[:8])
+            + (" ..." if len(missing) > 8 else "")
             + f" (that rank fails with: No such file or directory: '.../{missing[0]}/{MODEL_FILE}')",
             names=missing,
         )
@@ -267,7 +286,8 @@ def _name_problems(report, n: int, second: Optional[str], pp: Optional[int], ep:
         report.problem(
             "extra-shard-dirs",
             f"{len(extra)} directories on disk that the run will not read: "
-            + ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
+            + ", ".join(extra[:8])
+            + (" ..." if len(extra) > 8 else "")
             + " (saved with other parallel sizes: their weights would be silently ignored)",
             names=extra,
         )
@@ -285,12 +305,16 @@ def _name_problems(report, n: int, second: Optional[str], pp: Optional[int], ep:
 def _size_problems(report, saved: Optional[dict], run: dict) -> None:
     if not saved:
         return
-    diffs = [f"{d}: saved {saved[d]}, run {run[d]}" for d in ("tp", "pp", "ep")
-             if run.get(d) is not None and saved.get(d) is not None and run[d] != saved[d]]
+    diffs = [
+        f"{d}: saved {saved[d]}, run {run[d]}"
+        for d in ("tp", "pp", "ep")
+        if run.get(d) is not None and saved.get(d) is not None and run[d] != saved[d]
+    ]
     if diffs:
         report.problem(
             "size-mismatch",
-            "the run's sizes differ from the saved ones (" + "; ".join(diffs)
+            "the run's sizes differ from the saved ones ("
+            + "; ".join(diffs)
             + "): the legacy torch format is not resharded on load (convert it, or save with torch_dist)",
         )
 
@@ -309,7 +333,8 @@ def _file_problems(report, ckdir: str, dirs: List[str], saved: Optional[dict], r
     if lacking:
         report.problem(
             "missing-files",
-            f"{len(lacking)} files missing from shard directories: " + ", ".join(lacking[:8])
+            f"{len(lacking)} files missing from shard directories: "
+            + ", ".join(lacking[:8])
             + (" ..." if len(lacking) > 8 else ""),
             names=lacking,
         )

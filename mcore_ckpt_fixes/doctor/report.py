@@ -68,8 +68,10 @@ class Report:
         lines.append(f"format:     {d['format']}" + (f" ({d['format_reason']})" if d.get("format_reason") else ""))
         sizes = d.get("sizes")
         if sizes is not None:
-            lines.append("sizes:      " + (_sizes_line(sizes) or "none readable from the checkpoint's saved args "
-                                                                  "(give --tp/--pp/--ep)"))
+            lines.append(
+                "sizes:      "
+                + (_sizes_line(sizes) or "none readable from the checkpoint's saved args (give --tp/--pp/--ep)")
+            )
         if "layout" in d:
             lines.append(f"layout:     {d['layout']}: {d['layout_reason']}")
             lines.append(f"loader:     {d['loader']}: {d['loader_reason']}")

@@ -106,14 +106,43 @@ def _stub_class(module: str, name: str, fast: bool = False) -> type:
 
 
 _TORCH_DTYPES = {
-    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "uint8", "int8", "int16", "short",
-    "int32", "int", "int64", "long", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
-    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "uint16", "uint32", "uint64", "float4_e2m1fn_x2",
+    "float32",
+    "float",
+    "float64",
+    "double",
+    "float16",
+    "half",
+    "bfloat16",
+    "uint8",
+    "int8",
+    "int16",
+    "short",
+    "int32",
+    "int",
+    "int64",
+    "long",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float4_e2m1fn_x2",
 }
 # Dataclasses of torch.distributed.checkpoint whose state is a plain dict.
 _DCP_FAST = {
-    "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
-    "_StorageInfo", "StorageMeta",
+    "Metadata",
+    "TensorStorageMetadata",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "_StorageInfo",
+    "StorageMeta",
 }
 _SAFE_BUILTINS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
@@ -142,8 +171,19 @@ _SAFE_BUILTINS = {
 }
 # Module prefixes whose classes (dataclasses, enums, config objects) may appear as data and become
 # inert stubs: Megatron's own (never imported), numpy's array/scalar/dtype reconstructors, DCP's.
-_STUB_PREFIXES = ("megatron.", "numpy", "signal", "torch.distributed.checkpoint", "transformer_engine.", "pathlib", "enum",
-                  "datetime", "functools", "torch.distributed.tensor", "torch.distributed._tensor")
+_STUB_PREFIXES = (
+    "megatron.",
+    "numpy",
+    "signal",
+    "torch.distributed.checkpoint",
+    "transformer_engine.",
+    "pathlib",
+    "enum",
+    "datetime",
+    "functools",
+    "torch.distributed.tensor",
+    "torch.distributed._tensor",
+)
 _STORAGE_RE = re.compile(r"^(\w*)Storage$")
 
 

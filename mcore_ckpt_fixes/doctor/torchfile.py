@@ -32,8 +32,22 @@ LEGACY_PROTOCOL = 1001
 _LOCAL_HEADER = 30  # fixed part of a zip local file header; the name and extra field follow
 # Bytes per element of the storage types an old torch.save names in its persistent ids.
 _ELEMENT_SIZE = {
-    "Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1,
-    "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Untyped": 1, "QInt8": 1, "QUInt8": 1, "QInt32": 4,
+    "Double": 8,
+    "Float": 4,
+    "Half": 2,
+    "BFloat16": 2,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "ComplexFloat": 8,
+    "ComplexDouble": 16,
+    "Untyped": 1,
+    "QInt8": 1,
+    "QUInt8": 1,
+    "QInt32": 4,
 }
 
 
@@ -109,8 +123,10 @@ def _read_zip(f: BinaryIO, size: int) -> Any:
     try:
         zf = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as exc:
-        raise Damaged(f"a torch.save zip archive cut short or corrupt ({size} bytes, {exc}): torch.load fails "
-                      "with 'failed finding central directory'") from None
+        raise Damaged(
+            f"a torch.save zip archive cut short or corrupt ({size} bytes, {exc}): torch.load fails "
+            "with 'failed finding central directory'"
+        ) from None
     with zf:
         members = sorted(zf.infolist(), key=lambda i: i.header_offset)
         _check_member_bounds(members, zf.start_dir)
@@ -131,8 +147,10 @@ def _check_member_bounds(members, start_dir: int) -> None:
         limit = members[i + 1].header_offset if i + 1 < len(members) else start_dir
         end = info.header_offset + _LOCAL_HEADER + len(info.filename.encode()) + info.compress_size
         if end > limit:
-            raise Damaged(f"member {info.filename} claims {info.compress_size} bytes but the archive has room for "
-                          f"at most {max(0, limit - (end - info.compress_size))}: torch.load fails reading it")
+            raise Damaged(
+                f"member {info.filename} claims {info.compress_size} bytes but the archive has room for "
+                f"at most {max(0, limit - (end - info.compress_size))}: torch.load fails reading it"
+            )
 
 
 def _read_legacy(f: BinaryIO, size: int) -> Any:
@@ -140,8 +158,10 @@ def _read_legacy(f: BinaryIO, size: int) -> Any:
     storages: Dict[Any, Tuple[Any, Any]] = {}
     first = _load_one(f, storages)
     if first != LEGACY_MAGIC:
-        raise Damaged("a raw pickle, not a torch.save file: torch.load unpickles it, then fails with "
-                      "'Invalid magic number; corrupt file?'")
+        raise Damaged(
+            "a raw pickle, not a torch.save file: torch.load unpickles it, then fails with "
+            "'Invalid magic number; corrupt file?'"
+        )
     if _load_one(f, storages) != LEGACY_PROTOCOL:
         raise Damaged("an old torch.save stream with an unknown protocol version")
     _load_one(f, storages)  # sys info
@@ -151,16 +171,20 @@ def _read_legacy(f: BinaryIO, size: int) -> Any:
         storage_type, numel = storages.get(key, (None, None))
         count = f.read(8)
         if len(count) < 8:
-            raise Damaged(f"an old torch.save stream cut short at {size} bytes: storage {key} is missing "
-                          "(torch.load fails with 'unexpected EOF')")
+            raise Damaged(
+                f"an old torch.save stream cut short at {size} bytes: storage {key} is missing "
+                "(torch.load fails with 'unexpected EOF')"
+            )
         (n,) = struct.unpack("<q", count)
         width = _element_size(storage_type)
         if numel is not None and n != numel:
             raise Damaged(f"storage {key} holds {n} elements where the pickle says {numel}: corrupt")
         end = f.tell() + n * (width or 1)
         if end > size:
-            raise Damaged(f"an old torch.save stream cut short: storage {key} needs bytes up to {end}, the file has "
-                          f"{size} (torch.load fails with 'unexpected EOF')")
+            raise Damaged(
+                f"an old torch.save stream cut short: storage {key} needs bytes up to {end}, the file has "
+                f"{size} (torch.load fails with 'unexpected EOF')"
+            )
         f.seek(end)
     return obj
 

@@ -52,8 +52,13 @@ def read_tracker(root: str) -> Tuple[Optional[str], Optional[int], bool, Optiona
     except ValueError:
         if text == "release":
             return text, None, True, None
-        return text, None, False, (
-            f"{TRACKER} holds {text!r}: Megatron accepts an integer iteration or 'release' and exits on anything else"
+        return (
+            text,
+            None,
+            False,
+            (
+                f"{TRACKER} holds {text!r}: Megatron accepts an integer iteration or 'release' and exits on anything else"
+            ),
         )
     if iteration < 0:
         return text, None, False, f"{TRACKER} holds {iteration}: Megatron requires an iteration >= 0"

@@ -123,7 +123,9 @@ def holders(function):
         if key in position and vars(_MODULES[key]).get(name) is function
     }
     for key in _SEEN["named"].get(function.__module__, ()):  # where it is defined (not indexed)
-        found.update((position[key], name, key) for name, value in list(vars(_MODULES[key]).items()) if value is function)
+        found.update(
+            (position[key], name, key) for name, value in list(vars(_MODULES[key]).items()) if value is function
+        )
     return [(_MODULES[key], name) for _, name, key in sorted(found)]
 
 

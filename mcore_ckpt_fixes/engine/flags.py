@@ -60,9 +60,7 @@ def parse(fix_ids, environ=None) -> Flags:
         if not var.startswith(PER_FIX_PREFIX):
             continue
         if var not in by_var:
-            raise FlagError(
-                f"{var}: no fix with that id; accepted variables: {', '.join(sorted(by_var))}"
-            )
+            raise FlagError(f"{var}: no fix with that id; accepted variables: {', '.join(sorted(by_var))}")
         value = environ[var].strip().lower()
         if value not in MODES:
             raise FlagError(f"{var}={environ[var]!r}: accepted values: {', '.join(MODES)}")

@@ -116,9 +116,7 @@ class _Engine:
                         required_failures.append(f"{fix.id}: {state}: {reason}")
             self._announce_when_settled()
             if required_failures:
-                raise FixRequiredError(
-                    "required fix could not be applied: " + "; ".join(required_failures)
-                )
+                raise FixRequiredError("required fix could not be applied: " + "; ".join(required_failures))
 
     def _ensure_hook(self, module_name: str) -> None:
         if module_name in self.hooked:
@@ -157,7 +155,8 @@ class _Engine:
         # tree of the next release, a pinned commit between releases): there the probe decides.
         checkout_note = (
             f" (checkout: its version {gate.version} is outside the affected range {gate.affected}; decided by the probe)"
-            if outside and mode != "on" else ""
+            if outside and mode != "on"
+            else ""
         )
         try:
             verdict, why = target.probe(module)

@@ -40,9 +40,7 @@ def _read_package_info(core_dir: str):
 
     fields = {k: v.strip("'\"") for k, v in _FIELD.findall(text)}
     try:
-        return Version(
-            f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}"
-        )
+        return Version(f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}")
     except (KeyError, InvalidVersion):
         return None
 
@@ -67,9 +65,7 @@ def detect() -> MegatronInfo:
             continue
         version = _read_package_info(core_dir)
         site = os.path.dirname(pkg_dir)
-        has_dist_info = any(
-            n.startswith("megatron_core-") and n.endswith(".dist-info") for n in os.listdir(site)
-        )
+        has_dist_info = any(n.startswith("megatron_core-") and n.endswith(".dist-info") for n in os.listdir(site))
         return MegatronInfo(version, "wheel" if has_dist_info else "checkout", pkg_dir)
     return MegatronInfo(None, "absent", None)
 

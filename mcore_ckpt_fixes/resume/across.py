@@ -37,8 +37,13 @@ def stack() -> dict:
     from mcore_ckpt_fixes.engine.version import detect
 
     info = detect()
-    return {"megatron_core": str(info.version), "source": info.source, "path": info.path,
-            "torch": torch.__version__, "fix_states": {r["id"]: r["state"] for r in mcore_ckpt_fixes.report()}}
+    return {
+        "megatron_core": str(info.version),
+        "source": info.source,
+        "path": info.path,
+        "torch": torch.__version__,
+        "fix_states": {r["id"]: r["state"] for r in mcore_ckpt_fixes.report()},
+    }
 
 
 def _world(cfg, phase, ckpt_dir, fixes):
@@ -87,8 +92,11 @@ def resume(cfg, out_dir, fixes) -> dict:
     """C here from ``out_dir``, compared with the saving release's A (and, if it differs, this one's)."""
     with open(os.path.join(out_dir, "saved.json")) as f:
         saved = json.load(f)
-    out = {"config": cfg.name, "saved": {k: v for k, v in saved.items() if k not in ("error", "detail")},
-           "resumed": {**stack(), "fixes": fixes}}
+    out = {
+        "config": cfg.name,
+        "saved": {k: v for k, v in saved.items() if k not in ("error", "detail")},
+        "resumed": {**stack(), "fixes": fixes},
+    }
     out.update(_resumed(cfg, out_dir, fixes, saved["error"]))
     out["line"] = describe(out)
     return out
@@ -104,8 +112,11 @@ def _resumed(cfg, out_dir, fixes, save_error) -> dict:
     if error:
         return {"verdict": "error", "error": error, "detail": detail}
     ranks = _ranks(uninterrupted, resumed)
-    out = {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks,
-           "load_warnings": _warnings(resumed)}
+    out = {
+        "verdict": "exact" if all(r["exact"] for r in ranks) else "inexact",
+        "ranks": ranks,
+        "load_warnings": _warnings(resumed),
+    }
     if out["verdict"] == "inexact":
         out["here"] = _against_here(cfg, uninterrupted, resumed, fixes)
     return out
@@ -140,13 +151,17 @@ def describe(out) -> str:
         # Then C against this release's A is the comparison above again: say so, not it twice.
         return line + "; A is bit for bit the same on both releases: state was lost or changed in the checkpoint"
     if here["cause"] == "math":
-        return line + ("; exact against this release's own A: the checkpoint carried every value, the two "
-                       "releases train differently")
+        return line + (
+            "; exact against this release's own A: the checkpoint carried every value, the two "
+            "releases train differently"
+        )
     return line + f"; against this release's own A: {one_mode(here)} (state lost or changed in the checkpoint)"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcore_ckpt_fixes.resume.across", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mcore_ckpt_fixes.resume.across", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("action", choices=("save", "resume"))
     parser.add_argument("config", help="a configuration of mcore_ckpt_fixes.resume.configs, e.g. moe-ep2")
     parser.add_argument("dir", help="where save writes, and resume reads, A's results and B's checkpoint")
@@ -167,8 +182,10 @@ def main(argv=None) -> int:
     check.prepare()
     if args.action == "save":
         saved = save(cfg, args.dir, args.fixes)
-        print(f"{cfg.name}: saved on Megatron-Core {saved['megatron_core']} ({saved['source']}), fixes {args.fixes}: "
-              + (saved["error"] or f"A and B done, under {args.dir}"))
+        print(
+            f"{cfg.name}: saved on Megatron-Core {saved['megatron_core']} ({saved['source']}), fixes {args.fixes}: "
+            + (saved["error"] or f"A and B done, under {args.dir}")
+        )
         return 2 if saved["error"] else 0
     out = resume(cfg, args.dir, args.fixes)
     if args.out:

@@ -70,8 +70,15 @@ def needed_here(cfg) -> list:
 
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     """One configuration's report: per mode its verdict and, per rank, what differs."""
-    out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs),
-           "needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT}
+    out = {
+        "config": cfg.name,
+        "summary": cfg.summary,
+        "world": cfg.world,
+        "needs": list(cfg.needs),
+        "needed_here": needed_here(cfg),
+        "steps": STEPS,
+        "resume_at": RESUME_AT,
+    }
     uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["on"], device, timeout)
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
@@ -86,8 +93,10 @@ def not_applicable() -> str:
     try:
         import megatron.training.checkpointing  # noqa: F401
     except ImportError as exc:
-        return (f"megatron.training does not import ({exc}): Megatron-Core wheels ship it from 0.17.0; "
-                "older releases run it from a Megatron-LM checkout on PYTHONPATH")
+        return (
+            f"megatron.training does not import ({exc}): Megatron-Core wheels ship it from 0.17.0; "
+            "older releases run it from a Megatron-LM checkout on PYTHONPATH"
+        )
     return ""
 
 

@@ -24,8 +24,13 @@ def same(a, b) -> bool:
             return False
         return a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+        )
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
@@ -39,7 +44,9 @@ def same(a, b) -> bool:
 
 def differing(expected: dict, got: dict) -> list:
     """Names whose values are not the same (a name in only one of the two included)."""
-    return sorted(k for k in set(expected) | set(got) if k not in expected or k not in got or not same(expected[k], got[k]))
+    return sorted(
+        k for k in set(expected) | set(got) if k not in expected or k not in got or not same(expected[k], got[k])
+    )
 
 
 def rank_verdict(uninterrupted: dict, resumed: dict) -> dict:

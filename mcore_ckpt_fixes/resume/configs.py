@@ -32,20 +32,42 @@ class Config:
 
 CONFIGS = (
     Config("dense-tp2", "dense GPT, TP=2, distributed optimizer (dp_reshardable)", world=2, tp=2),
-    Config("moe-ep2", "MoE GPT, EP=2 on 2 ranks, distributed optimizer (dp_reshardable)", world=2, ep=2,
-           needs=("rng-under-ep",)),
-    Config("moe-ep2-fully-reshardable", "MoE GPT, EP=2, distributed optimizer (fully_reshardable)", world=2,
-           ep=2, optim_format="fully_reshardable", needs=("rng-under-ep",)),
-    Config("moe-ep2-dp2", "MoE GPT, EP=2 x DP=2 on 4 ranks, distributed optimizer (dp_reshardable)", world=4,
-           ep=2, needs=("rng-under-ep",)),
+    Config(
+        "moe-ep2",
+        "MoE GPT, EP=2 on 2 ranks, distributed optimizer (dp_reshardable)",
+        world=2,
+        ep=2,
+        needs=("rng-under-ep",),
+    ),
+    Config(
+        "moe-ep2-fully-reshardable",
+        "MoE GPT, EP=2, distributed optimizer (fully_reshardable)",
+        world=2,
+        ep=2,
+        optim_format="fully_reshardable",
+        needs=("rng-under-ep",),
+    ),
+    Config(
+        "moe-ep2-dp2",
+        "MoE GPT, EP=2 x DP=2 on 4 ranks, distributed optimizer (dp_reshardable)",
+        world=4,
+        ep=2,
+        needs=("rng-under-ep",),
+    ),
 )
 
 # Configurations that do not resume on the releases the check covers, for a catalogued reason no
 # fix here covers yet: run by the tests (the failure must still be the catalogued one), listed by
 # ``selftest --resume`` apart from the pass/fail verdict.
 KNOWN_FAILING = (
-    Config("moe-ep2-torch-adam", "MoE GPT, EP=2, distributed optimizer on torch's Adam (no Apex or Transformer "
-           "Engine installed)", world=2, ep=2, fused_adam=False, needs=("rng-under-ep",)),
+    Config(
+        "moe-ep2-torch-adam",
+        "MoE GPT, EP=2, distributed optimizer on torch's Adam (no Apex or Transformer Engine installed)",
+        world=2,
+        ep=2,
+        fused_adam=False,
+        needs=("rng-under-ep",),
+    ),
 )
 KNOWN_BUG = {"moe-ep2-torch-adam": "torch-adam-fresh-load"}
 

@@ -20,9 +20,20 @@ import torch
 class FusedAdam(torch.optim.Optimizer):
     """Apex ``FusedAdam``'s constructor and state layout, computed with plain torch ops."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
-                 capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=True,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad or capturable or master_weights:
             raise ValueError("the FusedAdam stand-in supports neither amsgrad, capturable nor master_weights")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)

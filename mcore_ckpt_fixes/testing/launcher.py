@@ -135,7 +135,9 @@ def _collect(result_paths, alive, timeout):
         except (OSError, EOFError, pickle.UnpicklingError):
             results.append(RankResult(rank, False, error=f"rank {rank} exited without a result (crashed?)"))
             continue
-        results.append(RankResult(rank, status == "ok", payload if status == "ok" else None, None if status == "ok" else payload))
+        results.append(
+            RankResult(rank, status == "ok", payload if status == "ok" else None, None if status == "ok" else payload)
+        )
     return results
 
 

@@ -122,11 +122,34 @@ class Scenario:
     so each world forks warm). ``nproc``: the world size the scenario is written for.
     """
 
-    __slots__ = ("fix_id", "name", "func", "nproc", "bug", "prepare", "devices", "timeout", "doc", "requires",
-                 "applicable")
+    __slots__ = (
+        "fix_id",
+        "name",
+        "func",
+        "nproc",
+        "bug",
+        "prepare",
+        "devices",
+        "timeout",
+        "doc",
+        "requires",
+        "applicable",
+    )
 
-    def __init__(self, fix_id, name, func, nproc, bug, prepare=None, devices=("cpu", "cuda"), timeout=240.0, doc="",
-                 requires=(), applicable=None):
+    def __init__(
+        self,
+        fix_id,
+        name,
+        func,
+        nproc,
+        bug,
+        prepare=None,
+        devices=("cpu", "cuda"),
+        timeout=240.0,
+        doc="",
+        requires=(),
+        applicable=None,
+    ):
         self.fix_id = fix_id
         self.name = name
         self.func = func

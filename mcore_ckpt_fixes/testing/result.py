@@ -37,8 +37,7 @@ class RoundTrip:
     (default ``"Type: message"``); ``extra``: fields this scenario reports besides the common ones."""
 
     def __init__(self, error_line=error_line, **extra):
-        self.result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None,
-                       "digests": {}}
+        self.result = {"error": None, "phase": None, "max_delta": {}, "n_tensors": 0, "fix_state": None, "digests": {}}
         self.result.update(extra)
         self._error_line = error_line
         self._phase = None
@@ -92,10 +91,12 @@ class RoundTrip:
             raise AssertionError(f"not loaded: {missing}")
         deltas = {f"{prefix}{k}": max_abs_delta(expected[k], got[k]) for k in sorted(expected)}
         sizes = parts or {}
-        self.result["digests"].update({
-            f"{prefix}{k}": (part_digests(expected[k], sizes.get(k)), part_digests(got[k], sizes.get(k)))
-            for k in sorted(expected)
-        })
+        self.result["digests"].update(
+            {
+                f"{prefix}{k}": (part_digests(expected[k], sizes.get(k)), part_digests(got[k], sizes.get(k)))
+                for k in sorted(expected)
+            }
+        )
         self.result["max_delta"].update(deltas)
         self.result["max_delta"] = dict(sorted(self.result["max_delta"].items()))
         self.result["n_tensors"] = len(self.result["max_delta"])

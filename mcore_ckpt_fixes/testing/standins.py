@@ -27,9 +27,7 @@ import torch
 class _GatedRMSNormStandIn(torch.nn.Module):
     """``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``'s parameters, without its Triton forward."""
 
-    def __init__(
-        self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None
-    ):
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
         self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))

@@ -146,8 +146,12 @@ def test_bug_judgement():
     wrong = Bug.wrong_values()
     # digests: per tensor, (what this rank saved, what it loaded), part by part.
     exact = dict(exact, digests={"w": (["r0"], ["r0"])})
-    other_shard = {"phase": "compare", "error": "AssertionError: tensors differ after load", "max_delta": {"w": 0.5},
-                   "digests": {"w": (["r1"], ["r0"])}}
+    other_shard = {
+        "phase": "compare",
+        "error": "AssertionError: tensors differ after load",
+        "max_delta": {"w": 0.5},
+        "digests": {"w": (["r1"], ["r0"])},
+    }
     assert wrong.seen_in([exact, other_shard])  # one rank reading another's shard is enough
     assert not wrong.seen_in([exact, exact]) and not wrong.seen_in([hit, other_shard])
     # Not the documented bug: a value no rank saved, another shape (inf), NaN, nothing to tell whose.
@@ -172,7 +176,9 @@ def test_nan_is_never_the_largest_delta_dropped():
     nan = float("nan")
     assert worst([0.0, nan]) != worst([0.0, nan]) and worst([nan, 0.0]) != worst([nan, 0.0])
     assert worst([0.0, 0.5, float("inf")]) == float("inf") and worst([]) == 0.0
-    (row,) = rank_rows([RankResult(0, True, {"error": None, "phase": None, "n_tensors": 2, "max_delta": {"a": 0.0, "b": nan}})])
+    (row,) = rank_rows(
+        [RankResult(0, True, {"error": None, "phase": None, "n_tensors": 2, "max_delta": {"a": 0.0, "b": nan}})]
+    )
     assert row["max_delta"] != row["max_delta"] and not is_exact(row), row
 
 

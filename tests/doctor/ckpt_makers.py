@@ -46,14 +46,17 @@ def save_torch_dist(rank, world, root, iteration=10, integrity=False):
     sd = {
         # TP-split along dim 0 (TP = 2 here: the two ranks are also the two TP ranks of this toy layout).
         "qkv": ShardedTensor.from_rank_offsets(
-            "decoder.layers.0.self_attention.linear_qkv.weight", torch.randn(4, 4), (0, rank, world), replica_id=0),
+            "decoder.layers.0.self_attention.linear_qkv.weight", torch.randn(4, 4), (0, rank, world), replica_id=0
+        ),
         "norm": ShardedTensor.from_rank_offsets("decoder.final_layernorm.weight", torch.ones(4), replica_id=rank),
         # A grouped expert weight: axis 0 is the global expert index, each EP rank owns two experts.
         "grouped": ShardedTensor.from_rank_offsets(
-            "decoder.layers.1.mlp.experts.experts.linear_fc1.weight", torch.randn(2, 4, 4), (0, rank, world),
-            replica_id=0),
-        "rng": ShardedObject("rng_state", [{"random_rng_state": random.getstate()}], (1, 1), (0, 0),
-                             replica_id=rank),
+            "decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+            torch.randn(2, 4, 4),
+            (0, rank, world),
+            replica_id=0,
+        ),
+        "rng": ShardedObject("rng_state", [{"random_rng_state": random.getstate()}], (1, 1), (0, 0), replica_id=rank),
         "args": argparse.Namespace(tensor_model_parallel_size=1, expert_model_parallel_size=2, num_experts=4),
         "iteration": iteration,
     }
@@ -114,8 +117,17 @@ def megatron_args(tp, pp, ep, with_distributed_optimizer=False):
         from megatron.training.arguments import parse_args
 
         argv = sys.argv
-        sys.argv = ["pretrain_gpt.py", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-                    str(pp), "--expert-model-parallel-size", str(ep), "--ckpt-format", "torch"]
+        sys.argv = [
+            "pretrain_gpt.py",
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--pipeline-model-parallel-size",
+            str(pp),
+            "--expert-model-parallel-size",
+            str(ep),
+            "--ckpt-format",
+            "torch",
+        ]
         try:
             args = parse_args()
         finally:
@@ -125,9 +137,15 @@ def megatron_args(tp, pp, ep, with_distributed_optimizer=False):
         from megatron.core.transformer.enums import AttnBackend
 
         args = argparse.Namespace(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-            ckpt_format="torch", params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto,
-            exit_signal=signal.SIGTERM, use_distributed_optimizer=False, no_save_optim=None,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            ckpt_format="torch",
+            params_dtype=torch.bfloat16,
+            attention_backend=AttnBackend.auto,
+            exit_signal=signal.SIGTERM,
+            use_distributed_optimizer=False,
+            no_save_optim=None,
         )
     args.use_distributed_optimizer = with_distributed_optimizer
     return args
@@ -140,8 +158,15 @@ def checkpoint_name(root, iteration, tp_rank, pp_rank, ep_rank, pp, ep):
         # The rule of get_checkpoint_name in 0.17.1, 0.18.2 and 0.19.2 (identical in the three).
         name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
         return os.path.join(root, "iter_{:07d}".format(iteration), name, "model_optim_rng.pt")
-    return get_checkpoint_name(root, iteration, pipeline_parallel=pp > 1, tensor_rank=tp_rank, pipeline_rank=pp_rank,
-                               expert_parallel=ep > 1, expert_rank=ep_rank)
+    return get_checkpoint_name(
+        root,
+        iteration,
+        pipeline_parallel=pp > 1,
+        tensor_rank=tp_rank,
+        pipeline_rank=pp_rank,
+        expert_parallel=ep > 1,
+        expert_rank=ep_rank,
+    )
 
 
 def save_legacy(root, tp, pp, ep, iteration=100, with_args=True, weight_numel=16):
@@ -159,13 +184,15 @@ def save_legacy(root, tp, pp, ep, iteration=100, with_args=True, weight_numel=16
                     "checkpoint_version": 3.0,
                     "iteration": iteration,
                     "model": {"decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(weight_numel)},
-                    "rng_state": [{
-                        "random_rng_state": random.getstate(),
-                        "np_rng_state": np.random.get_state(),
-                        "torch_rng_state": torch.get_rng_state(),
-                        "cuda_rng_state": torch.get_rng_state(),
-                        "rng_tracker_states": {},
-                    }],
+                    "rng_state": [
+                        {
+                            "random_rng_state": random.getstate(),
+                            "np_rng_state": np.random.get_state(),
+                            "torch_rng_state": torch.get_rng_state(),
+                            "cuda_rng_state": torch.get_rng_state(),
+                            "rng_tracker_states": {},
+                        }
+                    ],
                 }
                 if with_args:
                     sd["args"] = args

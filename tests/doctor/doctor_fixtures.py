@@ -24,18 +24,23 @@ def saved(tmp_path_factory):
         os.makedirs(name)
     values(run_world("ckpt_makers:save_torch_dist", 2, {"root": roots["torch_dist"]}, timeout=240))
     values(run_world("ckpt_makers:save_fsdp_dcp", 2, {"root": roots["fsdp"]}, timeout=240))
-    values(run_world("ckpt_makers:save_fsdp_dcp", 2, {"root": roots["fsdp_collide"], "local_bias_index": True},
-                     timeout=240))
+    values(
+        run_world(
+            "ckpt_makers:save_fsdp_dcp", 2, {"root": roots["fsdp_collide"], "local_bias_index": True}, timeout=240
+        )
+    )
     return roots
 
 
 @pytest.fixture
 def copy_of(tmp_path):
     """copy_of(root) -> a private copy to damage."""
+
     def _copy(root):
         dst = tmp_path / ("copy-" + os.path.basename(root))
         shutil.copytree(root, dst)
         return str(dst)
+
     return _copy
 
 

@@ -39,8 +39,12 @@ def test_unreadable_and_bad_usage_exit_2(saved, copy_of, tmp_path):
     root = copy_of(saved["torch_dist"])
     with open(os.path.join(iter_dir(root), ".metadata"), "r+b") as f:
         f.truncate(100)
-    for args in (["inspect", root], ["inspect", str(tmp_path / "absent")], ["inspect", root, "--tp", "0"],
-                 ["inspect", str(tmp_path)]):
+    for args in (
+        ["inspect", root],
+        ["inspect", str(tmp_path / "absent")],
+        ["inspect", root, "--tp", "0"],
+        ["inspect", str(tmp_path)],
+    ):
         proc = run_cli(args)
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         lines = proc.stderr.strip().splitlines()
@@ -87,8 +91,12 @@ def test_inspect_modifies_nothing(saved, copy_of, tmp_path):
     damaged = copy_of(saved["torch_dist"])
     os.remove(os.path.join(iter_dir(damaged), "metadata.json"))
     legacy = os.path.dirname(save_legacy(str(tmp_path / "leg"), 2, 1, 2))
-    for root, extra in ((saved["torch_dist"], []), (saved["fsdp_collide"], ["--ep", "2"]), (damaged, []),
-                        (legacy, ["--tp", "2", "--pp", "2"])):
+    for root, extra in (
+        (saved["torch_dist"], []),
+        (saved["fsdp_collide"], ["--ep", "2"]),
+        (damaged, []),
+        (legacy, ["--tp", "2", "--pp", "2"]),
+    ):
         before = _tree_state(root)
         for fmt in ([], ["--json"]):
             proc = run_cli(["inspect", root, *extra, *fmt])
@@ -127,8 +135,12 @@ def test_damaged_and_unsafe_copies_exit_1_and_stay_unchanged(saved, copy_of, tmp
     shutil.copytree(saved["fsdp"], planted_index)
     with open(os.path.join(iter_dir(planted_index), ".metadata"), "wb") as f:
         pickle.dump(Evil(), f)
-    for root, code in ((cut, "damaged-file"), (raw, "unsafe-pickle"), (empty_common, "damaged-file"),
-                       (planted_index, "unsafe-pickle")):
+    for root, code in (
+        (cut, "damaged-file"),
+        (raw, "unsafe-pickle"),
+        (empty_common, "damaged-file"),
+        (planted_index, "unsafe-pickle"),
+    ):
         before = _tree_state(root)
         for fmt in ([], ["--json"]):
             proc = run_cli(["inspect", root, "--ep", "1", *fmt])

@@ -14,13 +14,18 @@ def test_exact_tilings():
 
 def test_gaps_overlaps_bounds():
     assert check((8, 4), [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((4, 0), (4, 2))]) == [
-        ("gap", "region [4:8, 2:4] is in no chunk")]
+        ("gap", "region [4:8, 2:4] is in no chunk")
+    ]
     assert check((8, 4), [((0, 0), (4, 4)), ((0, 0), (4, 4)), ((4, 0), (4, 4))]) == [
-        ("overlap", "region [0:4, 0:4] is written by 2 chunks")]
+        ("overlap", "region [0:4, 0:4] is written by 2 chunks")
+    ]
     assert check((8, 4), [((0, 0), (8, 2)), ((0, 2), (4, 2)), ((3, 2), (4, 2))])[0] == (
-        "overlap", "region [3:4, 2:4] is written by more than one chunk")
+        "overlap",
+        "region [3:4, 2:4] is written by more than one chunk",
+    )
     assert check((8, 4), [((0, 0), (8, 2)), ((0, 2), (4, 2)), ((5, 2), (3, 2))]) == [
-        ("gap", "2 elements of region [0:8, 0:4] are in no chunk")]
+        ("gap", "2 elements of region [0:8, 0:4] are in no chunk")
+    ]
     assert check((4,), [((2,), (4,))])[0][0] == "out-of-bounds"
 
 

@@ -77,7 +77,7 @@ def test_zip_member_larger_than_the_archive(tmp_path):
     entry = data.index(b"PK\x01\x02")  # the first central directory entry
     while True:  # find the central entry of ``name``
         n_len = struct.unpack_from("<H", data, entry + 28)[0]
-        if bytes(data[entry + 46: entry + 46 + n_len]).decode() == name:
+        if bytes(data[entry + 46 : entry + 46 + n_len]).decode() == name:
             break
         entry = data.index(b"PK\x01\x02", entry + 4)
     size = struct.unpack_from("<I", data, entry + 20)[0]
@@ -172,8 +172,9 @@ def test_distcp_without_read_permission(saved, copy_of):
     target = os.path.join(iter_dir(root), "__1_0.distcp")
     os.chmod(target, 0)
     proc = run_cli(["inspect", root, "--ep", "1"], preexec_fn=preexec)
-    assert proc.returncode == 1 and "[unreadable-file] __1_0.distcp cannot be opened: Permission denied" in proc.stdout, (
-        proc.stdout + proc.stderr)
+    assert (
+        proc.returncode == 1 and "[unreadable-file] __1_0.distcp cannot be opened: Permission denied" in proc.stdout
+    ), proc.stdout + proc.stderr
     # The only problem: every other file of the checkpoint was read as usual.
     assert proc.stdout.count("[unreadable-file]") == 1 and "[damaged-file]" not in proc.stdout, proc.stdout
 

@@ -113,14 +113,16 @@ def test_duplicated_expert_key(saved, copy_of):
 
     def edit(md):  # expert 3's fc1 also stored under the grouped spelling
         md.state_dict_metadata[prefix + "linear_fc1.weight3"] = md.state_dict_metadata[
-            prefix + "local_experts.3.linear_fc1.weight"]
+            prefix + "local_experts.3.linear_fc1.weight"
+        ]
 
     _edit_metadata(iter_dir(root), edit)
     r = inspect(root, ep=1)  # a run at EP=1: only the damage is found
     assert codes(r) == ["expert-duplicate"]
     assert r["expert_problems"][0]["message"] == (
         "decoder.layers.0.mlp.experts: expert 3 of linear_fc1.weight is stored 2 times "
-        "(linear_fc1.weight{i}, local_experts.{i}.linear_fc1.weight): a load reads one of them")
+        "(linear_fc1.weight{i}, local_experts.{i}.linear_fc1.weight): a load reads one of them"
+    )
 
 
 def test_fsdp_dtensor_clean_and_colliding_bias_keys(saved):
@@ -133,7 +135,8 @@ def test_fsdp_dtensor_clean_and_colliding_bias_keys(saved):
     assert codes(r) == ["expert-key-collision"]
     assert r["expert_problems"][0]["message"].startswith(
         "model.decoder.layers.0.mlp.experts: linear_fc1.bias has experts {0-1}, its sibling parameters {0-3}: "
-        "EP ranks wrote it under their local indices {0-1}, so 2 ranks wrote the same keys")
+        "EP ranks wrote it under their local indices {0-1}, so 2 ranks wrote the same keys"
+    )
 
 
 def test_reads_metadata_only(saved):

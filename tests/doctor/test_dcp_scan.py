@@ -16,7 +16,9 @@ from mcore_ckpt_fixes.doctor import dcp, dcp_scan, inspect, safe_pickle
 def _norm(ix):
     sdm = {}
     for k, m in ix.state_dict_metadata.items():
-        sdm[k] = None if isinstance(m, dcp_scan.BytesMeta) else (tuple(m.size), [(tuple(o), tuple(s)) for o, s in m.chunks])
+        sdm[k] = (
+            None if isinstance(m, dcp_scan.BytesMeta) else (tuple(m.size), [(tuple(o), tuple(s)) for o, s in m.chunks])
+        )
     return sdm, dict(ix.ends), {k: sorted(v) for k, v in ix.objects.items()}
 
 
@@ -28,12 +30,30 @@ def _both(data: bytes):
     return machine, fast
 
 
-def _metadata(n_tensors=3, grid=(2, 3), *, shared_size=False, spelled_paths=False, shared_fqn=False,
-              big=False, dims=2, byte_objects=True, protocol=4, local_plans=False, name="linear_fc1"):
+def _metadata(
+    n_tensors=3,
+    grid=(2, 3),
+    *,
+    shared_size=False,
+    spelled_paths=False,
+    shared_fqn=False,
+    big=False,
+    dims=2,
+    byte_objects=True,
+    protocol=4,
+    local_plans=False,
+    name="linear_fc1",
+):
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     sdm, storage, ends = {}, {}, {}
     base = 1 << 33 if big else 0
@@ -74,7 +94,6 @@ def _metadata(n_tensors=3, grid=(2, 3), *, shared_size=False, spelled_paths=Fals
 def _plans(sdm, ranks=2):
     """Every rank's SavePlan: rank 0's items share the index's objects (create_global_plan took them
     from its plan), the other ranks' came through gather_object (copies: everything spelled out)."""
-    import copy
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -84,20 +103,40 @@ def _plans(sdm, ranks=2):
         items = []
         for fqn, meta in sdm.items():
             for c in getattr(meta, "chunks", [])[r::ranks]:
-                items.append(WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=c, properties=meta.properties, size=meta.size)))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, c.offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=c, properties=meta.properties, size=meta.size),
+                    )
+                )
         plan = SavePlan(items)
         plans.append(plan if r == 0 else pickle.loads(pickle.dumps(plan)))
     return plans
 
 
-@pytest.mark.parametrize("variant", [
-    {}, {"shared_size": True}, {"spelled_paths": True}, {"shared_fqn": True}, {"big": True}, {"dims": 1},
-    {"dims": 3}, {"dims": 4}, {"dims": 5}, {"dims": 0}, {"byte_objects": False}, {"protocol": 5},
-    {"n_tensors": 40, "grid": (8, 8), "spelled_paths": True, "shared_fqn": True},
-    {"n_tensors": 40, "grid": (8, 8), "shared_size": True, "big": True},
-    {"local_plans": True}, {"local_plans": True, "dims": 4}, {"local_plans": True, "n_tensors": 30, "grid": (6, 6)},
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"shared_size": True},
+        {"spelled_paths": True},
+        {"shared_fqn": True},
+        {"big": True},
+        {"dims": 1},
+        {"dims": 3},
+        {"dims": 4},
+        {"dims": 5},
+        {"dims": 0},
+        {"byte_objects": False},
+        {"protocol": 5},
+        {"n_tensors": 40, "grid": (8, 8), "spelled_paths": True, "shared_fqn": True},
+        {"n_tensors": 40, "grid": (8, 8), "shared_size": True, "big": True},
+        {"local_plans": True},
+        {"local_plans": True, "dims": 4},
+        {"local_plans": True, "n_tensors": 30, "grid": (6, 6)},
+    ],
+)
 def test_same_index_as_the_unpickler(variant):
     machine, _ = _both(_metadata(**variant))
     if variant.get("dims", 2):  # the repeated units went the fast way
@@ -122,6 +161,7 @@ def test_names_holding_the_memoize_byte(tmp_path):
 
     class R:
         bytes_read = 0
+
     r = R()
     assert _norm(dcp.read_metadata(str(path), r)) == _norm(dcp._compact(safe_pickle.load(io.BytesIO(data))))
     assert r.bytes_read >= len(data)
@@ -156,6 +196,7 @@ def test_fallback_gives_the_same_report(saved, monkeypatch):
 
     def refuse(f):
         raise dcp_scan.Fallback("test")
+
     monkeypatch.setattr(dcp_scan, "read", refuse)
     slow = {name: inspect(saved[name]).to_dict() for name in ("torch_dist", "fsdp", "fsdp_collide")}
     assert fast == slow

@@ -40,23 +40,36 @@ def test_names_follow_megatron(sizes):
 
 
 def test_names_equal_get_checkpoint_name():
-    ckpt = pytest.importorskip("megatron.training.checkpointing", reason="megatron.training not importable here "
-                               "(0.16 wheels do not ship it; 0.17/0.18 need PyYAML)")
+    ckpt = pytest.importorskip(
+        "megatron.training.checkpointing",
+        reason="megatron.training not importable here (0.16 wheels do not ship it; 0.17/0.18 need PyYAML)",
+    )
     for tp, pp, ep in [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (4, 3, 5)]:
         for t in range(tp):
             for p in range(pp):
                 for e in range(ep):
-                    real = ckpt.get_checkpoint_name("/r", 7, pipeline_parallel=pp > 1, tensor_rank=t,
-                                                    pipeline_rank=p, expert_parallel=ep > 1, expert_rank=e)
+                    real = ckpt.get_checkpoint_name(
+                        "/r",
+                        7,
+                        pipeline_parallel=pp > 1,
+                        tensor_rank=t,
+                        pipeline_rank=p,
+                        expert_parallel=ep > 1,
+                        expert_rank=e,
+                    )
                     assert os.path.dirname(real) == shard_dir("/r", 7, t, p, e, pp=pp, ep=ep)
 
 
-@pytest.mark.parametrize("sizes, layout, loader, second", [
-    ((2, 1, 1), "1D", "non-ep", None),
-    ((2, 2, 1), "2D", "non-ep", "pp"),
-    ((2, 1, 2), "2D", "ep-aware", "ep"),
-    ((1, 2, 2), "3D", "ep-aware", None),
-], ids=["1D", "2D-pp", "2D-ep", "3D"])
+@pytest.mark.parametrize(
+    "sizes, layout, loader, second",
+    [
+        ((2, 1, 1), "1D", "non-ep", None),
+        ((2, 2, 1), "2D", "non-ep", "pp"),
+        ((2, 1, 2), "2D", "ep-aware", "ep"),
+        ((1, 2, 2), "3D", "ep-aware", None),
+    ],
+    ids=["1D", "2D-pp", "2D-ep", "3D"],
+)
 def test_classified_from_saved_args(legacy, sizes, layout, loader, second):
     r = inspect(os.path.dirname(legacy[sizes]))
     assert (r["format"], r["layout"], r["loader"], r["second_index"]) == ("torch", layout, loader, second)
@@ -146,7 +159,8 @@ def test_arbitrary_code_is_never_run(tmp_path):
     assert any("refusing to load posix.system (not on the doctor's allow-list)" in n for n in r.notes), r.notes
     # Megatron's torch.load(weights_only=False) would run it: a problem naming the file and the callable.
     assert [(p["code"], p["file"], p["callable"]) for p in r.problems] == [
-        ("unsafe-pickle", "mp_rank_00/model_optim_rng.pt", "posix.system")]
+        ("unsafe-pickle", "mp_rank_00/model_optim_rng.pt", "posix.system")
+    ]
 
 
 def test_api_shard_dir_and_diagnose(legacy, tmp_path):
@@ -155,9 +169,10 @@ def test_api_shard_dir_and_diagnose(legacy, tmp_path):
     assert shard_dirname(3, 2, 1, pp_size=4, ep_size=2) == "mp_rank_03_002_001"
     with pytest.raises(ValueError, match="pp_rank=2 is outside 0..1"):
         shard_dir("/ck", 1, 0, 2, pp=2)
-    for (tp, pp, ep) in NAMES:  # the API names what the real save wrote
+    for tp, pp, ep in NAMES:  # the API names what the real save wrote
         for t in range(tp):
             assert os.path.dirname(checkpoint_name("/ck", 5, t, pp - 1, ep - 1, pp, ep)) == shard_dir(
-                "/ck", 5, t, pp - 1, ep - 1, pp=pp, ep=ep)
+                "/ck", 5, t, pp - 1, ep - 1, pp=pp, ep=ep
+            )
     bad = diagnose(str(tmp_path / "nothing"))
     assert codes(bad) == ["unreadable"] and "no such directory" in bad.problems[0]["message"]

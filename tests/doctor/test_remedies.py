@@ -35,7 +35,9 @@ def test_incomplete_save_names_the_intact_iteration(saved, copy_of):
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
     at = lines.index(next(line for line in lines if line.startswith("  [incomplete-save]")))
-    assert lines[at + 1].startswith("      next: this save did not finish") and "iter_0000020 is intact" in lines[at + 1]
+    assert (
+        lines[at + 1].startswith("      next: this save did not finish") and "iter_0000020 is intact" in lines[at + 1]
+    )
 
 
 def test_no_intact_iteration_is_said_too(saved, copy_of):
@@ -67,8 +69,12 @@ def test_every_finding_has_a_remedy(saved, copy_of, tmp_path):
     os.remove(os.path.join(iter_dir(damaged), "metadata.json"))
     legacy = os.path.dirname(save_legacy(str(tmp_path / "leg"), 2, 1, 2))
     seen = set()
-    for root, extra in ((saved["fsdp_collide"], ["--ep", "2"]), (damaged, []), (legacy, ["--tp", "4", "--pp", "2"]),
-                        (str(tmp_path / "absent"), [])):
+    for root, extra in (
+        (saved["fsdp_collide"], ["--ep", "2"]),
+        (damaged, []),
+        (legacy, ["--tp", "4", "--pp", "2"]),
+        (str(tmp_path / "absent"), []),
+    ):
         proc = run_cli(["inspect", root, *extra, "--json"])
         problems = json.loads(proc.stdout)["problems"]
         assert problems and all(p["remedy"] for p in problems), problems

@@ -1,7 +1,6 @@
 """Tracker file against iter_* directories (on a real torch_dist save of this release)."""
 
 import os
-import shutil
 
 from doctor_fixtures import copy_of, iter_dir, saved  # noqa: F401  (fixtures)
 from mcore_ckpt_fixes.doctor import Unreadable, inspect
@@ -19,8 +18,10 @@ def test_tracker_points_at_missing_iteration(saved, copy_of):
         f.write("2000\n")
     r = inspect(root)
     assert codes(r) == ["tracker-missing-iteration"] and r["iteration"] == 2000
-    assert r.problems[0]["message"] == ("latest_checkpointed_iteration.txt says 2000 but iter_0002000 does not exist: "
-                                        "Megatron fails to load (on disk: iter_0000010)")
+    assert r.problems[0]["message"] == (
+        "latest_checkpointed_iteration.txt says 2000 but iter_0002000 does not exist: "
+        "Megatron fails to load (on disk: iter_0000010)"
+    )
 
 
 def test_tracker_missing_is_a_silent_restart(saved, copy_of):

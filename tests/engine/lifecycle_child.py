@@ -143,7 +143,9 @@ def in_place(fix_id, modules):
     modules = sorted(set(modules) | _definition_sites(fix_id))
     for owner, attr, value in snapshot(modules).values():
         if getattr(value, MARK, None) == fix_id:
-            where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
+            where = (
+                owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
+            )
             found.add(f"{where}.{attr} = {value.__module__}.{value.__qualname__}")
     return sorted(found)
 

@@ -27,7 +27,9 @@ def apply(module, patcher):
     patcher.replace_function(module, NAME, counting_make_sharded_tensor)
 
 
-FIX = Fix(id="engine-probe", summary="test-only counting wrapper", affected=">=0", targets=(Target(TARGET, probe, apply),))
+FIX = Fix(
+    id="engine-probe", summary="test-only counting wrapper", affected=">=0", targets=(Target(TARGET, probe, apply),)
+)
 
 
 def register():

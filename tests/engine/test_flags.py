@@ -20,10 +20,16 @@ def test_env_var_names():
     [
         ({}, {"tp-group": "auto", "gdn-fsdp-split": "auto"}),
         ({"MCORE_CKPT_FIXES": "off"}, {"tp-group": "off", "gdn-fsdp-split": "off"}),
-        ({"MCORE_CKPT_FIXES": "OFF", "MCORE_CKPT_FIX_TP_GROUP": "require"}, {"tp-group": "off", "gdn-fsdp-split": "off"}),
+        (
+            {"MCORE_CKPT_FIXES": "OFF", "MCORE_CKPT_FIX_TP_GROUP": "require"},
+            {"tp-group": "off", "gdn-fsdp-split": "off"},
+        ),
         ({"MCORE_CKPT_FIXES": "tp-group"}, {"tp-group": "auto", "gdn-fsdp-split": "off"}),
         ({"MCORE_CKPT_FIXES": " tp-group , gdn-fsdp-split "}, {"tp-group": "auto", "gdn-fsdp-split": "auto"}),
-        ({"MCORE_CKPT_FIXES": "tp-group", "MCORE_CKPT_FIX_GDN_FSDP_SPLIT": "on"}, {"tp-group": "auto", "gdn-fsdp-split": "on"}),
+        (
+            {"MCORE_CKPT_FIXES": "tp-group", "MCORE_CKPT_FIX_GDN_FSDP_SPLIT": "on"},
+            {"tp-group": "auto", "gdn-fsdp-split": "on"},
+        ),
         ({"MCORE_CKPT_FIX_TP_GROUP": "off"}, {"tp-group": "off", "gdn-fsdp-split": "auto"}),
         ({"MCORE_CKPT_FIX_TP_GROUP": "Require"}, {"tp-group": "require", "gdn-fsdp-split": "auto"}),
         ({"MCORE_CKPT_FIXES_AUTO": "1"}, {"tp-group": "auto", "gdn-fsdp-split": "auto"}),
@@ -36,12 +42,20 @@ def test_modes(environ, expected):
 @pytest.mark.parametrize(
     "environ, var, accepted",
     [
-        ({"MCORE_CKPT_FIXES": "sometimes"}, "MCORE_CKPT_FIXES", "auto, off, or a comma list of tp-group, gdn-fsdp-split"),
+        (
+            {"MCORE_CKPT_FIXES": "sometimes"},
+            "MCORE_CKPT_FIXES",
+            "auto, off, or a comma list of tp-group, gdn-fsdp-split",
+        ),
         ({"MCORE_CKPT_FIXES": "tp-group,nope"}, "MCORE_CKPT_FIXES", "auto, off, or a comma list of"),
         ({"MCORE_CKPT_FIXES": ","}, "MCORE_CKPT_FIXES", "auto, off, or a comma list of"),
         ({"MCORE_CKPT_FIX_TP_GROUP": "yes"}, "MCORE_CKPT_FIX_TP_GROUP", "auto, off, on, require"),
         ({"MCORE_CKPT_FIX_TP_GROUP": ""}, "MCORE_CKPT_FIX_TP_GROUP", "auto, off, on, require"),
-        ({"MCORE_CKPT_FIX_TP_GROUPS": "on"}, "MCORE_CKPT_FIX_TP_GROUPS", "MCORE_CKPT_FIX_GDN_FSDP_SPLIT, MCORE_CKPT_FIX_TP_GROUP"),
+        (
+            {"MCORE_CKPT_FIX_TP_GROUPS": "on"},
+            "MCORE_CKPT_FIX_TP_GROUPS",
+            "MCORE_CKPT_FIX_GDN_FSDP_SPLIT, MCORE_CKPT_FIX_TP_GROUP",
+        ),
     ],
 )
 def test_bad_values_raise_one_line(environ, var, accepted):

@@ -34,6 +34,17 @@ def test_hang_is_killed_at_the_deadline():
 
 
 def test_spawn_method_works_too():
-    res = values(run_world("world_scenarios:allreduce_rank", 2, method="spawn", timeout=120,
-                           env={"PYTHONPATH": __import__("os").path.dirname(__file__) + ":" + __import__("os").environ.get("PYTHONPATH", "")}))
+    res = values(
+        run_world(
+            "world_scenarios:allreduce_rank",
+            2,
+            method="spawn",
+            timeout=120,
+            env={
+                "PYTHONPATH": __import__("os").path.dirname(__file__)
+                + ":"
+                + __import__("os").environ.get("PYTHONPATH", "")
+            },
+        )
+    )
     assert {r["sum"] for r in res} == {1.0}

@@ -31,8 +31,12 @@ CHILD = os.path.join(TESTS, "engine", "lifecycle_child.py")
 
 def _child(mode, fix_id, env):
     full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
-    proc = subprocess.run([sys.executable, CHILD, mode, fix_id], env=full_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    proc = subprocess.run(
+        [sys.executable, CHILD, mode, fix_id], env=full_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
@@ -50,5 +54,8 @@ def test_lifecycle(fix_id):
         assert first["changed"], first
     # Either import order, and a spawn child, end the same way.
     for other in (late["parent"], late["spawn"]):
-        assert (other["state"], other["modules"], other["changed"]) == (first["state"], first["modules"], first["changed"]), (
-            first, late)
+        assert (other["state"], other["modules"], other["changed"]) == (
+            first["state"],
+            first["modules"],
+            first["changed"],
+        ), (first, late)

@@ -22,7 +22,8 @@ def _site(tmp_path, version):
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakefw\nVersion: {version}\n")
     # The fix's patch module, referenced by string: imported only when fakefw.ckpt is.
-    (site / "fakefw_fix_patch.py").write_text(textwrap.dedent("""
+    (site / "fakefw_fix_patch.py").write_text(
+        textwrap.dedent("""
         IMPORTED = True
 
         def probe(module):
@@ -33,7 +34,8 @@ def _site(tmp_path, version):
 
         def apply(module, patcher):
             patcher.replace_function(module, "get_rng_state", fixed_get_rng_state)
-    """))
+    """)
+    )
     return str(site)
 
 
@@ -61,7 +63,9 @@ print("REVERTED", fakefw.ckpt.get_rng_state())
 """
 
 
-@pytest.mark.parametrize("version,state,call", [("1.2.0", "applied", "per rank"), ("1.4.0", "not-needed", "per (pp, tp)")])
+@pytest.mark.parametrize(
+    "version,state,call", [("1.2.0", "applied", "per rank"), ("1.4.0", "not-needed", "per (pp, tp)")]
+)
 def test_target_gated_by_its_own_package(tmp_path, version, state, call):
     out = check_py(CODE, env={"PYTHONPATH": _site(tmp_path, version)})
     lines = dict(line.split(" ", 1) for line in out.strip().splitlines())

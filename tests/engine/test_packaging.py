@@ -32,7 +32,11 @@ def _python_with_site(target, code, extra_env):
     env.update(extra_env)
     return subprocess.run(
         [sys.executable, "-c", f"import site, sys; site.addsitedir({str(target)!r}); {code}"],
-        env=env, capture_output=True, text=True, cwd=str(target), check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(target),
+        check=True,
     ).stdout.strip()
 
 

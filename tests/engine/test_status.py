@@ -50,7 +50,9 @@ def test_disabled_flag_and_text_output():
     assert proc.returncode == 0
     head, *lines, known = proc.stdout.strip().splitlines()
     assert head.startswith("mcore-ckpt-fixes ") and "Megatron-Core" in head and "(wheel:" in head
-    assert known.startswith("known bugs: ") and known.endswith("(docs/known-bugs.md)"), known  # tests/test_known_bugs.py
+    assert known.startswith("known bugs: ") and known.endswith("(docs/known-bugs.md)"), (
+        known
+    )  # tests/test_known_bugs.py
     # One line per fix; under a fix that reaches frameworks, one indented line per target.
     fix_lines = [ln for ln in lines if not ln.startswith("    ")]
     assert [ln.split()[0] for ln in fix_lines] == list(ORDER)

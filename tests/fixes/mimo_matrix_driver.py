@@ -15,8 +15,20 @@ import math
 import os
 import sys
 
-KEEP = ("error", "phase", "rank_errors", "max_delta", "n_tensors", "bad_groups", "sharding_type",
-        "warnings", "fix_state", "module", "traceback", "steps")
+KEEP = (
+    "error",
+    "phase",
+    "rank_errors",
+    "max_delta",
+    "n_tensors",
+    "bad_groups",
+    "sharding_type",
+    "warnings",
+    "fix_state",
+    "module",
+    "traceback",
+    "steps",
+)
 
 
 def _plain(value):
@@ -44,10 +56,15 @@ def main(jobs_path, out_path):
         func = {"save": "save_only", "load": "load_only"}[job["mode"]]
         os.makedirs(job["ckpt_dir"], exist_ok=True)
         results = run_world(
-            f"mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:{func}", 2,
-            {"ckpt_dir": job["ckpt_dir"], "patched": job["patched"],
-             "sharding_type": job.get("sharding_type", "dp_reshardable")},
-            env={} if job["patched"] else {"MCORE_CKPT_FIXES": "off"}, timeout=job.get("timeout", 120),
+            f"mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:{func}",
+            2,
+            {
+                "ckpt_dir": job["ckpt_dir"],
+                "patched": job["patched"],
+                "sharding_type": job.get("sharding_type", "dp_reshardable"),
+            },
+            env={} if job["patched"] else {"MCORE_CKPT_FIXES": "off"},
+            timeout=job.get("timeout", 120),
         )
         ranks = []
         for r in results:

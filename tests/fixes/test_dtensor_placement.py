@@ -22,14 +22,27 @@ SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXPERT_KEYS = [f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight")]
 
 
-HELPER_KEYS = sorted(name for name, _, _ in __import__("mcore_ckpt_fixes.fixes.dtensor_placement.round_trips", fromlist=["x"]).HELPER_CASES)
+HELPER_KEYS = sorted(
+    name
+    for name, _, _ in __import__("mcore_ckpt_fixes.fixes.dtensor_placement.round_trips", fromlist=["x"]).HELPER_CASES
+)
 
 
 def test_registry_declares_every_round_trip(mcore_version):
     bugs = {n: s.bug_for(mcore_version) for n, s in SCENARIOS.items()}
     assert {n: (s.nproc, bugs[n].kind, bugs[n].phase, bugs[n].error) for n, s in SCENARIOS.items()} == {
-        "ep2_helpers": (2, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(HELPER_KEYS)),
-        "moe_ep": (4, "raises", "validate", "CheckpointingException: Invalid access pattern for " + ", ".join(EXPERT_KEYS)),
+        "ep2_helpers": (
+            2,
+            "raises",
+            "validate",
+            "CheckpointingException: Invalid access pattern for " + ", ".join(HELPER_KEYS),
+        ),
+        "moe_ep": (
+            4,
+            "raises",
+            "validate",
+            "CheckpointingException: Invalid access pattern for " + ", ".join(EXPERT_KEYS),
+        ),
         "hsdp": (
             4,
             "raises",
@@ -92,7 +105,11 @@ def test_moe_ep_patched_exact(tmp_path):
     results = _run(SCENARIOS["moe_ep"].func, 4, True, tmp_path)
     _exact(results)
     for r in results:  # every expert tensor and the router, per rank
-        assert {k.rsplit(".", 1)[0].split("local_experts.")[-1] for k in r["max_delta"]} >= {"0.linear_fc1", "1.linear_fc2", "router"}
+        assert {k.rsplit(".", 1)[0].split("local_experts.")[-1] for k in r["max_delta"]} >= {
+            "0.linear_fc1",
+            "1.linear_fc2",
+            "router",
+        }
         assert len(r["max_delta"]) == 10
 
 
@@ -122,7 +139,9 @@ def test_ep2_helpers_unpatched_save_rejected(tmp_path):
     for rank, r in enumerate(results):
         assert (r["phase"], r["error"]) == (scenario.bug.phase, scenario.bug.error), (rank, r["phase"], r["error"])
         # Megatron's message: the dense group's 2 chunks of rows per expert where each rank holds one.
-        assert "global_shape=(2, 8, 3)" in r["raw_error"] and "axis_fragmentations=(2, 2, 1)" in r["raw_error"], r["raw_error"][:800]
+        assert "global_shape=(2, 8, 3)" in r["raw_error"] and "axis_fragmentations=(2, 2, 1)" in r["raw_error"], r[
+            "raw_error"
+        ][:800]
     assert scenario.bug.seen_in(results)
 
 
@@ -193,10 +212,17 @@ def test_fixed_helpers_merge_tp_offsets(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     # TP on the same axis: TP rank 1's block of 4 rows, then rows 2-3 of it.
     sh = mu.make_tp_sharded_tensor_for_checkpoint(dt, "k", 0, tp_group=tp, dp_cp_group=dp_group)
-    assert (sh.global_shape, sh.global_offset, sh.axis_fragmentations, sh.replica_id) == ((8, 3), (6, 0), (4, 1), (0, 0, 0))
+    assert (sh.global_shape, sh.global_offset, sh.axis_fragmentations, sh.replica_id) == (
+        (8, 3),
+        (6, 0),
+        (4, 1),
+        (0, 0, 0),
+    )
     assert sh.data is dt._local_tensor and sh.is_torch_fsdp2_param
     # TP on another axis, with a prepended expert axis.
-    sh = mu.make_tp_sharded_tensor_for_checkpoint(dt, "k", 1, prepend_offsets=((0, 3, 4),), tp_group=tp, dp_cp_group=dp_group)
+    sh = mu.make_tp_sharded_tensor_for_checkpoint(
+        dt, "k", 1, prepend_offsets=((0, 3, 4),), tp_group=tp, dp_cp_group=dp_group
+    )
     assert (sh.global_shape, sh.global_offset) == ((4, 4, 6), (3, 2, 3))
     # Replicated across TP: the replica id keeps the TP rank.
     sh = mu.make_sharded_tensor_for_checkpoint(dt, "k", tp_group=tp, dp_cp_group=dp_group)
@@ -217,8 +243,12 @@ def test_all_replicate_takes_the_plain_path_without_gathering(monkeypatch):
     dt = _dt((4, 3), (2,), (1,), [Replicate()], (4, 3))
     monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: pytest.fail("materialised"))
     # Without an initialised process group the release's get_pg_rank says 0 for any group.
-    sh = mu.make_sharded_tensor_for_checkpoint(dt, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
-    want = dp.original(mu, dp.HELPER)(dt._local_tensor, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
+    sh = mu.make_sharded_tensor_for_checkpoint(
+        dt, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2)
+    )
+    want = dp.original(mu, dp.HELPER)(
+        dt._local_tensor, "r", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2)
+    )
     assert sh.data is dt._local_tensor
     assert (sh.global_shape, sh.global_offset) == (want.global_shape, want.global_offset)
     # The replica index is the rank's coordinate on the DTensor's own mesh (1 here), not the dense group's.
@@ -245,7 +275,9 @@ def test_size1_mesh_is_the_main_replica_whatever_dense_group(helper, placement, 
     assert sh.data is dt._local_tensor
     # A replica id the caller passes is kept as given.
     if helper == dp.HELPER:
-        sh = mu.make_sharded_tensor_for_checkpoint(dt, "e", prepend_offsets=((0, 1, 2),), replica_id=(0, 0, 5), **groups)
+        sh = mu.make_sharded_tensor_for_checkpoint(
+            dt, "e", prepend_offsets=((0, 1, 2),), replica_id=(0, 0, 5), **groups
+        )
         assert sh.replica_id == (0, 0, 5)
 
 
@@ -256,7 +288,9 @@ def test_bad_placement_is_one_clear_line():
 
     dt = _dt((4, 3), (2,), (1,), [Partial()], (4, 3))
     with pytest.raises(dp.DTensorPlacementError) as info:
-        mu.make_sharded_tensor_for_checkpoint(dt, "decoder.w", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2))
+        mu.make_sharded_tensor_for_checkpoint(
+            dt, "decoder.w", tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=1, size=2)
+        )
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("decoder.w: cannot checkpoint a DTensor placed Partial")
     assert msg.endswith("accepted: Shard(dim), Replicate()")

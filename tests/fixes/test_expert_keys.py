@@ -50,7 +50,9 @@ def warm_parent():
 def _run(name, patched, tmp_path):
     s = SCENARIOS[name]
     env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(run_world(s.func, s.nproc, {"ckpt_dir": str(tmp_path), "patched": patched}, env=env, timeout=s.timeout))
+    return values(
+        run_world(s.func, s.nproc, {"ckpt_dir": str(tmp_path), "patched": patched}, env=env, timeout=s.timeout)
+    )
 
 
 @pytest.mark.parametrize("name", INDEXED)
@@ -90,12 +92,18 @@ def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
 
 # -- single grouped expert tensors (moe_single_grouped_weight / _bias, 0.18+) ---------------------
 
-GROUPED_PARAMS = {"ep2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
-                  "ep2_dp2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
-                  "ep2_grouped_bias": ("linear_fc1.bias", "linear_fc2.bias")}
+GROUPED_PARAMS = {
+    "ep2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
+    "ep2_dp2_grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
+    "ep2_grouped_bias": ("linear_fc1.bias", "linear_fc2.bias"),
+}
 # Global shapes of all 4 experts (hidden 4, ffn 6); each EP rank holds 2 of them on dim 0.
-GLOBAL_SHAPES = {"linear_fc1.weight": [4, 6, 4], "linear_fc1.bias": [4, 6], "linear_fc2.weight": [4, 4, 6],
-                 "linear_fc2.bias": [4, 4]}
+GLOBAL_SHAPES = {
+    "linear_fc1.weight": [4, 6, 4],
+    "linear_fc1.bias": [4, 6],
+    "linear_fc2.weight": [4, 4, 6],
+    "linear_fc2.bias": [4, 4],
+}
 
 
 def _grouped_or_skip(name):
@@ -118,13 +126,16 @@ def test_unpatched_single_grouped_experts(name, tmp_path, mcore_version):
             assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
         return
     coords = results[0]["coords"]
-    biases = sorted([f"model/{EXP}{b}" for b in GROUPED_PARAMS[name]]
-                    + [f"optimizer/{EXP}{b}/{s}" for b in GROUPED_PARAMS[name] for s in ("exp_avg", "exp_avg_sq")])
+    biases = sorted(
+        [f"model/{EXP}{b}" for b in GROUPED_PARAMS[name]]
+        + [f"optimizer/{EXP}{b}/{s}" for b in GROUPED_PARAMS[name] for s in ("exp_avg", "exp_avg_sq")]
+    )
     for rank, r in enumerate(results):
         assert r["fix_state"] == {MODULE: "disabled", TRAINING: "disabled"} and r["n_tensors"] == 27, (rank, r)
         # both EP ranks stored the grouped bias under one key with their local shape
         assert {k: r["stored_shapes"][f"{EXP}{k}"] for k in GROUPED_PARAMS[name]} == {
-            k: [2, *GLOBAL_SHAPES[k][1:]] for k in GROUPED_PARAMS[name]}, r["stored_shapes"]
+            k: [2, *GLOBAL_SHAPES[k][1:]] for k in GROUPED_PARAMS[name]
+        }, r["stored_shapes"]
         if coords[rank][0] == 0:
             assert sorted(k for k, d in r["max_delta"].items() if d != 0.0) == biases, (rank, r["max_delta"])
             assert r["loaded_from"] == {k: [1] for k in biases}, (rank, r["loaded_from"])
@@ -144,7 +155,8 @@ def test_patched_single_grouped_experts_round_trip_exactly(name, tmp_path):
         assert r["n_tensors"] == n and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
         assert r["fix_state"] == {MODULE: "applied", TRAINING: "applied"}, (rank, r["fix_state"])
         assert {k: r["stored_shapes"][f"{EXP}{k}"] for k in GROUPED_PARAMS[name]} == {
-            k: GLOBAL_SHAPES[k] for k in GROUPED_PARAMS[name]}, r["stored_shapes"]
+            k: GLOBAL_SHAPES[k] for k in GROUPED_PARAMS[name]
+        }, r["stored_shapes"]
         assert r["raw_state_kept"] is True
 
 
@@ -180,14 +192,24 @@ def _mod():
 
 def test_renames_weights_biases_swiglu_halves_and_sequential(ep):
     ep(2, 1)
-    keys = [f"{EXP}linear_fc1.weight0", f"{EXP}linear_fc1.bias1", f"{EXP}linear_fc1.weight1_w", f"{EXP}linear_fc1.bias0_v",
-            "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias", "decoder.layers.0.mlp.router.weight",
-            f"module.module.{EXP}linear_fc2.bias0"]
+    keys = [
+        f"{EXP}linear_fc1.weight0",
+        f"{EXP}linear_fc1.bias1",
+        f"{EXP}linear_fc1.weight1_w",
+        f"{EXP}linear_fc1.bias0_v",
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias",
+        "decoder.layers.0.mlp.router.weight",
+        f"module.module.{EXP}linear_fc2.bias0",
+    ]
     out = _mod().handle_experts_in_state_dict({k: i for i, k in enumerate(keys)}, 4)
     assert list(out.items()) == [
-        (f"{EXP}linear_fc1.weight2", 0), (f"{EXP}linear_fc1.bias3", 1), (f"{EXP}linear_fc1.weight3_w", 2),
-        (f"{EXP}linear_fc1.bias2_v", 3), ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.bias", 4),
-        ("decoder.layers.0.mlp.router.weight", 5), (f"module.module.{EXP}linear_fc2.bias2", 6),
+        (f"{EXP}linear_fc1.weight2", 0),
+        (f"{EXP}linear_fc1.bias3", 1),
+        (f"{EXP}linear_fc1.weight3_w", 2),
+        (f"{EXP}linear_fc1.bias2_v", 3),
+        ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.bias", 4),
+        ("decoder.layers.0.mlp.router.weight", 5),
+        (f"module.module.{EXP}linear_fc2.bias2", 6),
     ]
     assert _mod().handle_experts_in_state_dict(out, 4) == out  # already global: unchanged
     assert _mod().get_expert_index_from_key(f"{EXP}linear_fc2.bias1") == 1
@@ -254,7 +276,9 @@ def test_probe_and_status(mcore_version):
     assert row["state"] == "applied", row
     verdict, why = patch.probe(m)  # judges the release's own functions even after apply
     assert verdict is True and why.startswith("expert biases keep their local index under EP"), why
-    assert "num_experts=None drops every expert key" in why and "a single grouped expert tensor (no index) asserts" in why
+    assert (
+        "num_experts=None drops every expert key" in why and "a single grouped expert tensor (no index) asserts" in why
+    )
     if mcore_version.release[:2] >= (0, 17):  # megatron.training ships in the wheel
         import megatron.training.checkpointing as t
 
@@ -325,7 +349,11 @@ print("OK")
 
 def test_aliases_rebound_and_restored(mcore_version):
     out = check_py(ALIASES)
-    sites = "['distrib_optimizer', 'training.checkpointing']" if mcore_version.release[:2] >= (0, 17) else "['distrib_optimizer']"
+    sites = (
+        "['distrib_optimizer', 'training.checkpointing']"
+        if mcore_version.release[:2] >= (0, 17)
+        else "['distrib_optimizer']"
+    )
     assert out.strip().endswith(f"OK {sites}"), out
 
 
@@ -341,8 +369,15 @@ OLD_LAYOUT = "this fsdp_dtensor checkpoint has the expert-bias layout of an unfi
 def _save_then_load(tmp_path, save_patched, variant="indexed"):
     timeout = SCENARIOS["ep2"].timeout
     kw = {"ckpt_dir": str(tmp_path), "variant": variant}
-    saved = values(run_world(f"{SC}:save_ep2", 2, {**kw, "patched": save_patched},
-                             env={} if save_patched else {"MCORE_CKPT_FIXES": "off"}, timeout=timeout))
+    saved = values(
+        run_world(
+            f"{SC}:save_ep2",
+            2,
+            {**kw, "patched": save_patched},
+            env={} if save_patched else {"MCORE_CKPT_FIXES": "off"},
+            timeout=timeout,
+        )
+    )
     loaded = values(run_world(f"{SC}:load_ep2", 2, {**kw, "patched": True}, env={}, timeout=timeout))
     return saved, loaded
 
@@ -353,8 +388,10 @@ def test_fixed_load_of_unfixed_checkpoint_warns_and_names_missing_keys(tmp_path,
     saved, loaded = _save_then_load(tmp_path, save_patched=False)
     assert {s["fix_state"][MODULE] for s in saved} == {"disabled"}
     # the unfixed layout: both EP ranks wrote bias0/bias1
-    assert all({k for k in s["saved_keys"] if ".bias" in k and ".experts." in k} == {f"{EXP}{b}" for b in BIASES}
-               for s in saved), saved
+    assert all(
+        {k for k in s["saved_keys"] if ".bias" in k and ".experts." in k} == {f"{EXP}{b}" for b in BIASES}
+        for s in saved
+    ), saved
     site = "megatron.training.checkpointing" if mcore_version.release[:2] >= (0, 17) else MODULE
     for rank, r in enumerate(loaded):
         assert r["fix_state"] == {MODULE: "applied"} and r["site"] == site, (rank, r)
@@ -370,8 +407,12 @@ def test_fixed_load_of_unfixed_checkpoint_warns_and_names_missing_keys(tmp_path,
             # EP rank 1 asks for its global biases 2 and 3 (model and Adam state): none is there.
             want = sorted(
                 [f"model.{EXP}linear_fc{f}.bias{i}" for f in (1, 2) for i in (2, 3)]
-                + [f"optimizer.state.module.module.{EXP}linear_fc{f}.bias{i}.{s}"
-                   for f in (1, 2) for i in (2, 3) for s in ("exp_avg", "exp_avg_sq", "step")]
+                + [
+                    f"optimizer.state.module.module.{EXP}linear_fc{f}.bias{i}.{s}"
+                    for f in (1, 2)
+                    for i in (2, 3)
+                    for s in ("exp_avg", "exp_avg_sq", "step")
+                ]
             )
             assert r["not_in_checkpoint"] == want, (rank, r["not_in_checkpoint"])
             assert f"{len(want)} expert bias keys are not in the checkpoint" in msg, msg
@@ -388,7 +429,9 @@ def test_fixed_load_of_fixed_checkpoint_does_not_warn(tmp_path):
         assert r["warnings"] == [] and r["not_in_checkpoint"] == [] and r["not_loaded"] == [], (rank, r)
 
 
-OLD_GROUPED = "this fsdp_dtensor checkpoint stores single grouped expert tensors in the layout of an unfixed Megatron-Core"
+OLD_GROUPED = (
+    "this fsdp_dtensor checkpoint stores single grouped expert tensors in the layout of an unfixed Megatron-Core"
+)
 
 
 @pytest.mark.parametrize("save_patched", [False, True], ids=["unfixed-save", "fixed-save"])
@@ -401,8 +444,10 @@ def test_fixed_load_of_grouped_bias_checkpoint(save_patched, tmp_path):
     _grouped_or_skip("ep2_grouped_bias")
     saved, loaded = _save_then_load(tmp_path, save_patched, variant="grouped_bias")
     assert {s["fix_state"][MODULE] for s in saved} == {"applied" if save_patched else "disabled"}
-    biases = sorted([f"model/{EXP}linear_fc{f}.bias" for f in (1, 2)]
-                    + [f"optimizer/{EXP}linear_fc{f}.bias/{s}" for f in (1, 2) for s in ("exp_avg", "exp_avg_sq")])
+    biases = sorted(
+        [f"model/{EXP}linear_fc{f}.bias" for f in (1, 2)]
+        + [f"optimizer/{EXP}linear_fc{f}.bias/{s}" for f in (1, 2) for s in ("exp_avg", "exp_avg_sq")]
+    )
     for rank, r in enumerate(loaded):
         assert r["not_in_checkpoint"] == [], (rank, r["not_in_checkpoint"])
         if save_patched:
@@ -412,8 +457,10 @@ def test_fixed_load_of_grouped_bias_checkpoint(save_patched, tmp_path):
         msg = r["warnings"][0]
         assert msg.startswith(f"expert-keys: {OLD_GROUPED}: "), msg
         assert f"EP rank {r['ep_rank']} of 2" in msg and "6 tensors" in msg and "(2, 6)" in msg and "(4, 6)" in msg, msg
-        for key in ("model.decoder.layers.0.mlp.experts.linear_fc1.bias",
-                    "optimizer.state.module.module.decoder.layers.0.mlp.experts.linear_fc2.bias.exp_avg_sq"):
+        for key in (
+            "model.decoder.layers.0.mlp.experts.linear_fc1.bias",
+            "optimizer.state.module.module.decoder.layers.0.mlp.experts.linear_fc2.bias.exp_avg_sq",
+        ):
             assert repr(key) in msg, (key, msg)
         if r["ep_rank"] == 0:
             assert "loads that one saved copy" in msg, msg
@@ -430,9 +477,15 @@ def test_doctor_on_grouped_bias_checkpoint(save_patched, tmp_path):
     from mcore_ckpt_fixes.doctor import diagnose
 
     _grouped_or_skip("ep2_grouped_bias")
-    saved = values(run_world(f"{SC}:save_ep2", 2, {"ckpt_dir": str(tmp_path), "patched": save_patched,
-                                                    "variant": "grouped_bias"},
-                             env={} if save_patched else {"MCORE_CKPT_FIXES": "off"}, timeout=SCENARIOS["ep2"].timeout))
+    saved = values(
+        run_world(
+            f"{SC}:save_ep2",
+            2,
+            {"ckpt_dir": str(tmp_path), "patched": save_patched, "variant": "grouped_bias"},
+            env={} if save_patched else {"MCORE_CKPT_FIXES": "off"},
+            timeout=SCENARIOS["ep2"].timeout,
+        )
+    )
     assert len(saved) == 2
     r = diagnose(str(tmp_path))
     assert "6 single grouped expert tensors" in r["experts"], r["experts"]
@@ -441,9 +494,16 @@ def test_doctor_on_grouped_bias_checkpoint(save_patched, tmp_path):
         return
     found = sorted(p["message"].split(":")[0] for p in r.problems if p["code"] == "expert-key-collision")
     assert [p["code"] for p in r.problems] == ["expert-key-collision"] * 6, r.problems
-    assert found == sorted([f"model.{EXP}linear_fc{f}.bias" for f in (1, 2)] + [
-        f"optimizer.state.module.module.{EXP}linear_fc{f}.bias.{s}" for f in (1, 2) for s in ("exp_avg", "exp_avg_sq")])
+    assert found == sorted(
+        [f"model.{EXP}linear_fc{f}.bias" for f in (1, 2)]
+        + [
+            f"optimizer.state.module.module.{EXP}linear_fc{f}.bias.{s}"
+            for f in (1, 2)
+            for s in ("exp_avg", "exp_avg_sq")
+        ]
+    )
     # findings come in key order: the first is the model's fc1 bias (ffn 6)
     assert r.problems[0]["message"].startswith(
         f"model.{EXP}linear_fc1.bias: one grouped tensor of 2 experts (shape [2, 6]) where the layer has 4 "
-        f"(rows of model.decoder.layers.0.mlp.router.weight): each EP rank wrote its own experts")
+        f"(rows of model.decoder.layers.0.mlp.router.weight): each EP rank wrote its own experts"
+    )

@@ -102,7 +102,10 @@ def test_unpatched_tp_local(name, tmp_path, mcore_version):
         # 0.19's fast path saves the TP-local tensor as if it were global: the TP ranks write
         # colliding chunks and load back each other's values.
         for rank, r in enumerate(results):
-            assert r["phase"] == "compare" and r["error"].startswith("AssertionError: tensors differ"), (rank, r["error"])
+            assert r["phase"] == "compare" and r["error"].startswith("AssertionError: tensors differ"), (
+                rank,
+                r["error"],
+            )
         assert any(d != 0.0 for r in results for d in r["max_delta"].values())
         # both ranks lose some of their own components to the other's
         assert {rank for rank, _, _ in _tp_ranks_collide(results)} == {0, 1}
@@ -129,7 +132,10 @@ def test_unpatched_plain_dtensors(name, tmp_path, mcore_version):
         return
     else:
         for rank, r in enumerate(results):
-            assert r["phase"] == "compare" and r["error"].startswith("AssertionError: tensors differ"), (rank, r["error"])
+            assert r["phase"] == "compare" and r["error"].startswith("AssertionError: tensors differ"), (
+                rank,
+                r["error"],
+            )
         assert {rank for rank, _, _ in _tp_ranks_collide(results)} == {0, 1}
     assert bug.seen_in(results)
 
@@ -164,7 +170,8 @@ def test_hang_safety_unpatched_ends_in_time(tmp_path, mcore_version):
     # 0.19, #4910's signature: the ranks' collectives differ, so both wait forever in different
     # places: rank 0 (TP-global) inside upstream's split, rank 1 (TP-local) already in DCP's save.
     assert [(r.ok, r.error.split(" (killed)")[0]) for r in results] == [
-        (False, f"rank {rank} did not finish within 30 s") for rank in (0, 1)], [r.error for r in results]
+        (False, f"rank {rank} did not finish within 30 s") for rank in (0, 1)
+    ], [r.error for r in results]
     stack0, stack1 = (r.error.split("where it waited, just before the deadline:")[-1] for r in results)
     assert "in split_gdn_fused" in stack0 and "in handle_gdn_in_state_dict" in stack0, stack0
     assert "state_dict_saver.py" in stack1 and "split_gdn_fused" not in stack1, stack1
@@ -196,6 +203,7 @@ def test_no_collectives_and_rebinding(mcore_version):
         """
     )
     assert out.strip().endswith("OK")
+
     def count(impl, layout):
         kwargs = {"ckpt_dir": "", "patched": True, "layout": layout, "impl": impl}
         return values(run_world(f"{SC}:count_collectives", 2, kwargs, timeout=90))
@@ -224,8 +232,14 @@ def _plain(local, mesh, placements, shape):
     import torch
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
 
 
 def _split(data, tp, sizes=(2, 2, 1)):
@@ -262,7 +276,10 @@ def test_plain_tp_global_rows_name_their_tp_block(mcore_version):
     [
         ("partial", "[GDN] k: cannot split a DTensor placed Partial(sum); accepted: Shard(dim), Replicate()"),
         ("tp_unknown", "[GDN] k: TP-local DTensor of a module with tp_size=2, but this rank's TP size is 1"),
-        ("bad_local", "[GDN] k: local part has shape (4, 3), but placements (Shard(dim=0),) give this rank (2, 3) of (5, 3)"),
+        (
+            "bad_local",
+            "[GDN] k: local part has shape (4, 3), but placements (Shard(dim=0),) give this rank (2, 3) of (5, 3)",
+        ),
         ("spans_blocks", "[GDN] k: this rank holds rows 0:10 of a TP-global tensor of 2 blocks of 5 rows"),
     ],
 )

@@ -28,7 +28,11 @@ ALL = dict(ACCEPTED, **{f"hsdp_ep2/{t}": 0.0 for t in ("dense", "expert")})
 def test_registry():
     assert [s.name for s in for_fix(FIX.id)] == ["configurations"]
     assert (SCENARIO.func, SCENARIO.nproc, SCENARIO.bug.kind, SCENARIO.bug.phase) == (
-        f"{SC}:configurations", 4, "raises", "placement")
+        f"{SC}:configurations",
+        4,
+        "raises",
+        "placement",
+    )
     assert SCENARIO.bug.error == (
         "AssertionError: hsdp_ep2: expert parameters are sharded on the dense data-parallel mesh, "
         "not over their expert-data-parallel ranks"
@@ -45,8 +49,9 @@ def worlds(tmp_path_factory):
     for patched in (False, True):
         env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
         ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
-        out[patched] = values(run_world(SCENARIO.func, 4, {"ckpt_dir": ckpt, "patched": patched}, env=env,
-                                        timeout=SCENARIO.timeout))
+        out[patched] = values(
+            run_world(SCENARIO.func, 4, {"ckpt_dir": ckpt, "patched": patched}, env=env, timeout=SCENARIO.timeout)
+        )
     return out
 
 
@@ -85,7 +90,10 @@ def test_refusal_is_one_clear_line():
     msg = refusal(2, 4)
     assert "\n" not in msg
     assert "num_distributed_optimizer_instances=2 (HSDP)" in msg and "expert_model_parallel_size=4" in msg
-    assert "Accepted: num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1" in msg
+    assert (
+        "Accepted: num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1"
+        in msg
+    )
 
 
 def test_real_constructor_refuses_before_building_anything(mcore_version):
@@ -100,13 +108,25 @@ def test_real_constructor_refuses_before_building_anything(mcore_version):
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
-                               num_moe_experts=4)
-    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, use_megatron_fsdp=True,
-                                        data_parallel_sharding_strategy="optim_grads_params",
-                                        num_distributed_optimizer_instances=2)
-    pgs = types.SimpleNamespace(ep=Group(size=2), tp=Group(size=1), expt_tp=Group(size=1), intra_dp_cp=Group(size=2),
-                                inter_dist_opt=Group(size=2), dp_cp=Group(size=4), expt_dp=Group(size=2), intra_expt_dp=Group(size=1))
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True, num_moe_experts=4
+    )
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        num_distributed_optimizer_instances=2,
+    )
+    pgs = types.SimpleNamespace(
+        ep=Group(size=2),
+        tp=Group(size=1),
+        expt_tp=Group(size=1),
+        intra_dp_cp=Group(size=2),
+        inter_dist_opt=Group(size=2),
+        dp_cp=Group(size=4),
+        expt_dp=Group(size=2),
+        intra_expt_dp=Group(size=1),
+    )
     if mcore_version in FIX.specifiers:
         assert row["state"] == "applied", row
         with pytest.raises(ValueError) as info:
@@ -125,7 +145,10 @@ def test_probe(mcore_version):
 
     verdict, why = patch.probe(m)  # the release's own method, even after apply
     if mcore_version in FIX.specifiers:
-        assert (verdict, why) == (True, "HSDP with EP > 1 builds no expert mesh: experts are sharded on the dense data-parallel mesh")
+        assert (verdict, why) == (
+            True,
+            "HSDP with EP > 1 builds no expert mesh: experts are sharded on the dense data-parallel mesh",
+        )
     else:
         assert (verdict, why) == (False, "HSDP with EP > 1 gets its own expert mesh")
 
@@ -154,10 +177,21 @@ def test_guard_passes_every_other_configuration_to_the_release(mcore_version, mo
     monkeypatch.setattr(m, "_get_dp_tp_mesh", lambda *a, **k: np.zeros((1, 1), dtype=int))
 
     def run(instances, **groups):
-        pgs = types.SimpleNamespace(tp=Group(size=1), expt_tp=Group(size=1), intra_dp_cp=Group(size=2), inter_dist_opt=Group(size=2),
-                                    dp_cp=Group(size=4), expt_dp=Group(size=2), **groups)
-        wrapper = types.SimpleNamespace(ddp_config=types.SimpleNamespace(
-            num_distributed_optimizer_instances=instances, outer_dp_sharding_strategy="no_shard"), num_moe_experts=4)
+        pgs = types.SimpleNamespace(
+            tp=Group(size=1),
+            expt_tp=Group(size=1),
+            intra_dp_cp=Group(size=2),
+            inter_dist_opt=Group(size=2),
+            dp_cp=Group(size=4),
+            expt_dp=Group(size=2),
+            **groups,
+        )
+        wrapper = types.SimpleNamespace(
+            ddp_config=types.SimpleNamespace(
+                num_distributed_optimizer_instances=instances, outer_dp_sharding_strategy="no_shard"
+            ),
+            num_moe_experts=4,
+        )
         before = len(built)
         m.FullyShardedDataParallel._init_dist_index(wrapper, pgs)
         assert len(built) == before + 1  # the release's own code ran to its FSDPDistributedIndex

@@ -73,7 +73,6 @@ from model not in state dict``): the load side this fix adds on 0.19.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -92,7 +91,9 @@ COLLISION = MIMO_WORLD2_BUG.error
 NO_COMMON = "CheckpointingException: Common file {ckpt}/common.pt does not exist"
 NO_TYPE = "AssertionError: dict_keys(['param_state', 'optimizer'])"
 NO_TYPE_KEY = "Missing key in checkpoint state_dict: optimizer.mimo.vision.param_state_sharding_type/shard_0_1."
-NO_PREFIX = 'KeyError: "mimo.language.optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
+NO_PREFIX = (
+    'KeyError: "mimo.language.optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
+)
 NO_UNPREFIXED = 'KeyError: "optimizer.state.exp_avg.language_model.module.fc1.weight from model not in state dict'
 NO_STEP = "KeyError: 'step'"
 
@@ -243,7 +244,11 @@ def _assert_exact(ranks, loader, config, warnings=(None, None)):
         assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
         own = types[r["module"]] if isinstance(types, dict) else types
         expected_type = None if own == "non_distributed" else own
-        assert r["bad_groups"] == [] and r["sharding_type"] == expected_type, (rank, r["bad_groups"], r["sharding_type"])
+        assert r["bad_groups"] == [] and r["sharding_type"] == expected_type, (
+            rank,
+            r["bad_groups"],
+            r["sharding_type"],
+        )
         assert r["warnings"] == ([] if warnings[rank] is None else [warnings[rank]]), (rank, r["warnings"])
         assert r["fix_state"] == {TARGET: _fix_state(loader)}, (rank, r["fix_state"])
 

@@ -17,7 +17,11 @@ from conftest import run_cli
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import (
-    MIMO_COMMON_STATE, MIMO_SAVE_SIDE, MIMO_STEP_BUG, MIMO_WORLD2_BUG, MIMO_WORLD4_BUG,
+    MIMO_COMMON_STATE,
+    MIMO_SAVE_SIDE,
+    MIMO_STEP_BUG,
+    MIMO_WORLD2_BUG,
+    MIMO_WORLD4_BUG,
 )
 from mcore_ckpt_fixes.testing import for_fix, resolve
 
@@ -51,7 +55,10 @@ def test_registry_declares_the_round_trip():
         assert bug.kind == "raises" and bug.phase == "save"
         assert bug.error.startswith("CheckpointingException: Invalid sharding pattern validation. Errors: ")
         for i in idxs:
-            assert f"Duplicate ShardedObject keys: ['optimizer.distributed.dp_group_idx_{i}.optimizer/shard_0_1']" in bug.error
+            assert (
+                f"Duplicate ShardedObject keys: ['optimizer.distributed.dp_group_idx_{i}.optimizer/shard_0_1']"
+                in bug.error
+            )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,9 +149,15 @@ MIMO_TP_REPLICA_ERROR = (
 def test_world4_tp2_mixed_optimizers(patched, tmp_path, mcore_version):
     _need_mimo(mcore_version)
     env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    results = values(run_world(
-        SCENARIO.func, 4, {"ckpt_dir": str(tmp_path), "patched": patched, "sharding_type": MIXED}, env=env, timeout=300
-    ))
+    results = values(
+        run_world(
+            SCENARIO.func,
+            4,
+            {"ckpt_dir": str(tmp_path), "patched": patched, "sharding_type": MIXED},
+            env=env,
+            timeout=300,
+        )
+    )
     if not patched and mcore_version.release[:2] == (0, 17):
         for rank, r in enumerate(results):
             assert (r["phase"], r["error"]) == ("save", MIMO_TP_REPLICA_ERROR), (rank, r["phase"], r["error"])
@@ -181,8 +194,15 @@ ADAM_TP2_REPLICA_ERROR = (
 @pytest.mark.parametrize("nproc", [2, 4], ids=["world2", "world4_tp2"])
 def test_torch_adam_unpatched(nproc, tmp_path, mcore_version):
     _need_mimo(mcore_version)
-    results = values(run_world(ADAM.func, nproc, {"ckpt_dir": str(tmp_path), "patched": False},
-                               env={"MCORE_CKPT_FIXES": "off"}, timeout=300))
+    results = values(
+        run_world(
+            ADAM.func,
+            nproc,
+            {"ckpt_dir": str(tmp_path), "patched": False},
+            env={"MCORE_CKPT_FIXES": "off"},
+            timeout=300,
+        )
+    )
     assert [r["module"] for r in results] == ["language"] * (nproc // 2) + ["vision"] * (nproc // 2)
     if nproc == 4 and mcore_version.release[:2] == (0, 17):
         for rank, r in enumerate(results):

@@ -30,8 +30,13 @@ from mcore_ckpt_fixes.testing import for_fix
 
 SC = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
 COMPONENTS = {
-    "python", "numpy", "torch_cpu", "cuda",
-    "tracker:data-parallel-rng", "tracker:model-parallel-rng", "tracker:expert-parallel-rng",
+    "python",
+    "numpy",
+    "torch_cpu",
+    "cuda",
+    "tracker:data-parallel-rng",
+    "tracker:model-parallel-rng",
+    "tracker:expert-parallel-rng",
 }
 OLD_LAYOUT = "stores the RNG state in the old 2-D (pp, tp) layout"
 UNFIXED_READS_NEW = "RuntimeError: Missing key in checkpoint state_dict: rng_state/shard_0.0_1.1."
@@ -128,7 +133,9 @@ def test_not_applicable_before_017(mcore_version):
 
     row = json.loads(out.strip().splitlines()[-1])
     assert row["state"] == "not-applicable", row
-    assert "cannot import megatron.training.checkpointing" in row["reason"] and "megatron.training" in row["reason"], row
+    assert "cannot import megatron.training.checkpointing" in row["reason"] and "megatron.training" in row["reason"], (
+        row
+    )
 
 
 def test_status_and_probe(mcore_version):
@@ -195,7 +202,9 @@ def test_unpatched_ep_rank1_restores_rank0(tmp_path, mcore_version):
     # Unfixed: one (pp, tp) = (0, 0) object, the DP/EP ranks are declared replicas of each other.
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
     assert r0["error"] is None and set(r0["max_delta"].values()) == {0.0}, r0["max_delta"]
-    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1["error"]
+    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1[
+        "error"
+    ]
     # Exactly: EP rank 1 resumes on EP rank 0's states, in every component.
     assert _same(r1["loaded"], saved[0]), {k: _delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
     assert all(d != 0.0 for d in r1["max_delta"].values()), r1["max_delta"]
@@ -362,7 +371,9 @@ def test_source_patch_reads_old_layout(old_ckpt, tmp_path, mcore_version):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
     env.update(
         PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
-        PATCHED_MEGATRON=str(tmp_path / "megatron"), CKPT_DIR=str(d), RESULT=str(tmp_path / "result.pkl"),
+        PATCHED_MEGATRON=str(tmp_path / "megatron"),
+        CKPT_DIR=str(d),
+        RESULT=str(tmp_path / "result.pkl"),
     )
     proc = subprocess.run([sys.executable, "-c", _SOURCE_LOAD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -392,7 +403,9 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(tmp_path, mcore_version):
     _ranks_differ(saved)
     assert r0["layout"] == ["(0, 0)"] and r1["layout"] == ["(0, 0)"], (r0["layout"], r1["layout"])
     for rank, r in enumerate((r0, r1)):
-        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r["error"]
+        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
+            "error"
+        ]
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
         # Every component is one of the two ranks' saved states, and some are the other rank's.
         for k in COMPONENTS:

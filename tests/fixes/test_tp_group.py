@@ -20,7 +20,11 @@ SCENARIOS = {s.name: s for s in for_fix("tp-group")}
 def test_registry_declares_every_round_trip():
     """Pinned here as well: a registry edit must not quietly move what "the bug reproduced" means."""
     assert {n: (s.bug.kind, s.bug.phase, s.bug.error) for n, s in SCENARIOS.items()} == {
-        "mamba_stack": ("raises", "sharded_state_dict", "AssertionError: tensor model parallel group is not initialized"),
+        "mamba_stack": (
+            "raises",
+            "sharded_state_dict",
+            "AssertionError: tensor model parallel group is not initialized",
+        ),
         "mamba_mixer": (
             "raises",
             "sharded_state_dict",

@@ -43,8 +43,13 @@ FRAMEWORK = "megatron-bridge"
 BRIDGE = "megatron.bridge.training.checkpointing"
 RT = "mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips"
 COMPONENTS = {
-    "python", "numpy", "torch_cpu", "cuda",
-    "tracker:data-parallel-rng", "tracker:model-parallel-rng", "tracker:expert-parallel-rng",
+    "python",
+    "numpy",
+    "torch_cpu",
+    "cuda",
+    "tracker:data-parallel-rng",
+    "tracker:model-parallel-rng",
+    "tracker:expert-parallel-rng",
 }
 EXPERT = "tracker:expert-parallel-rng"
 OLD_LAYOUT = "the old layout: one shared copy per (pp, tp)"
@@ -54,8 +59,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _python(code, **env):
     """Run ``code`` in a fresh interpreter of this environment, fix flags cleared, ``env`` added."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in [env.pop("PYTHONPATH", None), ROOT,
-                                                         os.environ.get("PYTHONPATH")] if p)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [env.pop("PYTHONPATH", None), ROOT, os.environ.get("PYTHONPATH")] if p
+    )
     full_env.update(env)
     proc = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -77,8 +83,9 @@ def bridge():
 
 def _world(func, patched, ckpt_dir, **kwargs):
     env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(run_world(f"{RT}:{func}", 2, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs},
-                            env=env, timeout=180))
+    return values(
+        run_world(f"{RT}:{func}", 2, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=180)
+    )
 
 
 def _delta(a, b):
@@ -194,7 +201,9 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(unpatched_fsdp):
     for rank, r in enumerate(results):
         assert r["layout"] == ["(0, 0)"], r["layout"]
         assert r["fix_state"] == {BRIDGE: "disabled"}, r["fix_state"]
-        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r["error"]
+        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
+            "error"
+        ]
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
     _is_the_shared_copy(results, saved)
     # The expert-parallel tracker stream: one EP rank restores the other EP rank's.
@@ -272,15 +281,23 @@ def test_source_patch(unpatched_fsdp, tmp_path, bridge):
     old_dir, unpatched = unpatched_fsdp
     bridge_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(bridge.__file__))))
     src = tmp_path / "src"
-    shutil.copytree(os.path.join(bridge_root, "megatron", "bridge"), src / "megatron" / "bridge",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(bridge_root, "megatron", "bridge"),
+        src / "megatron" / "bridge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     patch_file = os.path.join(ROOT, "patches", FIX.id, "megatron-bridge-0.6.2.patch")
     proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=src, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (tmp_path / "new").mkdir()
     _python(
-        _SOURCE, PYTHONPATH=str(src), PATCHED_BRIDGE=str(src / "megatron" / "bridge"), NEW_DIR=str(tmp_path / "new"),
-        OLD_DIR=str(old_dir), RESULT=str(tmp_path / "result.pkl"), MCORE_CKPT_FIXES="off",
+        _SOURCE,
+        PYTHONPATH=str(src),
+        PATCHED_BRIDGE=str(src / "megatron" / "bridge"),
+        NEW_DIR=str(tmp_path / "new"),
+        OLD_DIR=str(old_dir),
+        RESULT=str(tmp_path / "result.pkl"),
+        MCORE_CKPT_FIXES="off",
     )
     with open(tmp_path / "result.pkl", "rb") as f:
         out = pickle.load(f)

@@ -31,10 +31,16 @@ from mcore_ckpt_fixes.testing.registry import for_fix
 RT = "mcore_ckpt_fixes.fixes.expert_keys.round_trips:bridge_ep2_grouped"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXP = "decoder.layers.0.mlp.experts."
-GROUPED_PARAMS = {"grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
-                  "grouped_bias": ("linear_fc1.bias", "linear_fc2.bias")}
-GLOBAL_SHAPES = {"linear_fc1.weight": [4, 6, 4], "linear_fc1.bias": [4, 6], "linear_fc2.weight": [4, 4, 6],
-                 "linear_fc2.bias": [4, 4]}
+GROUPED_PARAMS = {
+    "grouped": ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"),
+    "grouped_bias": ("linear_fc1.bias", "linear_fc2.bias"),
+}
+GLOBAL_SHAPES = {
+    "linear_fc1.weight": [4, 6, 4],
+    "linear_fc1.bias": [4, 6],
+    "linear_fc2.weight": [4, 4, 6],
+    "linear_fc2.bias": [4, 4],
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,8 +85,10 @@ def test_unpatched_bridge_preprocessing(variant, tmp_path, mcore_version):
             assert (r["phase"], r["error"]) == (bug.phase, bug.error), (rank, r["phase"], r["error"])
         return
     coords = results[0]["coords"]
-    biases = sorted([f"model/{EXP}{b}" for b in GROUPED_PARAMS[variant]]
-                    + [f"optimizer/{EXP}{b}/{s}" for b in GROUPED_PARAMS[variant] for s in ("exp_avg", "exp_avg_sq")])
+    biases = sorted(
+        [f"model/{EXP}{b}" for b in GROUPED_PARAMS[variant]]
+        + [f"optimizer/{EXP}{b}/{s}" for b in GROUPED_PARAMS[variant] for s in ("exp_avg", "exp_avg_sq")]
+    )
     for rank, r in enumerate(results):
         assert r["via"] == BRIDGE and r["fix_state"] == {MODULE: "disabled", BRIDGE: "disabled"}, (rank, r["fix_state"])
         if coords[rank][0] == 0:
@@ -100,7 +108,8 @@ def test_patched_bridge_preprocessing_round_trips_exactly(variant, tmp_path):
         assert r["via"] == BRIDGE and r["fix_state"] == {MODULE: "applied", BRIDGE: "applied"}, (rank, r["fix_state"])
         assert r["n_tensors"] > 0 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
         assert {k: r["stored_shapes"][f"{EXP}{k}"] for k in GROUPED_PARAMS[variant]} == {
-            k: GLOBAL_SHAPES[k] for k in GROUPED_PARAMS[variant]}, r["stored_shapes"]
+            k: GLOBAL_SHAPES[k] for k in GROUPED_PARAMS[variant]
+        }, r["stored_shapes"]
 
 
 _SOURCE_RUN = r"""
@@ -135,15 +144,23 @@ def test_source_diffs_fix_bridge_without_the_import(bridge, tmp_path, mcore_vers
 
     root = tmp_path / "src"
     shutil.copytree(detect().path, root / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(os.path.dirname(bridge.__file__).rsplit(os.sep, 1)[0], root / "megatron" / "bridge",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.dirname(bridge.__file__).rsplit(os.sep, 1)[0],
+        root / "megatron" / "bridge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     for diff in (f"{mcore_version}.patch", "megatron-bridge-0.6.2.patch"):
-        proc = subprocess.run(["patch", "-p1", "--forward", "-i", os.path.join(ROOT, "patches", "expert-keys", diff)],
-                              cwd=root, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["patch", "-p1", "--forward", "-i", os.path.join(ROOT, "patches", "expert-keys", diff)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0 and "fuzz" not in proc.stdout.lower(), proc.stdout + proc.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(PYTHONPATH=os.pathsep.join([str(root), ROOT, os.environ.get("PYTHONPATH", "")]),
-               PATCHED_ROOT=str(root), RT=RT)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(root), ROOT, os.environ.get("PYTHONPATH", "")]), PATCHED_ROOT=str(root), RT=RT
+    )
     proc = subprocess.run([sys.executable, "-c", _SOURCE_RUN], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])

@@ -44,10 +44,14 @@ def test_megatron_core_and_training_use_their_own_copy():
 
     # Which modules of Megatron-Core import the standalone package: none.
     users = sorted(
-        name for name, mod in list(sys.modules.items())
-        if name.startswith("megatron.") and mod is not None
-        and any(getattr(v, "__module__", None) and str(getattr(v, "__module__", "")).startswith("megatron_fsdp")
-                for v in list(vars(mod).values()))
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("megatron.")
+        and mod is not None
+        and any(
+            getattr(v, "__module__", None) and str(getattr(v, "__module__", "")).startswith("megatron_fsdp")
+            for v in list(vars(mod).values())
+        )
     )
     assert users == [], f"Megatron-Core modules bind the standalone megatron_fsdp: {users}"
 
@@ -61,13 +65,17 @@ def test_megatron_core_and_training_use_their_own_copy():
         for record in ENGINE.changes(fix_id):
             origin = getattr(record.before, "__module__", None) or ""
             if origin.startswith(vendored_prefix):
-                twin_module = sys.modules.get("megatron_fsdp" + origin[len(vendored_prefix):])
+                twin_module = sys.modules.get("megatron_fsdp" + origin[len(vendored_prefix) :])
                 twins.append((fix_id, record.name, getattr(twin_module, record.before.__name__)))
     assert ("expert-keys", "preprocess_state_dict_for_uneven_dtensor") in [(f, n) for f, n, _ in twins], twins
     for fix_id, name, twin in twins:
         binders = sorted(
-            mod_name for mod_name, mod in list(sys.modules.items())
-            if mod is not None and not mod_name.startswith("megatron_fsdp")
+            mod_name
+            for mod_name, mod in list(sys.modules.items())
+            if mod is not None
+            and not mod_name.startswith("megatron_fsdp")
             and any(v is twin for v in list(vars(mod).values()))
         )
-        assert binders == [], f"{fix_id}: {binders} bind the standalone megatron_fsdp twin of {name}, which the fix does not cover"
+        assert binders == [], (
+            f"{fix_id}: {binders} bind the standalone megatron_fsdp twin of {name}, which the fix does not cover"
+        )

@@ -31,8 +31,13 @@ NAME = "ms-swift"
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 SC = "mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips"
 COMPONENTS = {
-    "python", "numpy", "torch_cpu", "cuda",
-    "tracker:data-parallel-rng", "tracker:model-parallel-rng", "tracker:expert-parallel-rng",
+    "python",
+    "numpy",
+    "torch_cpu",
+    "cuda",
+    "tracker:data-parallel-rng",
+    "tracker:model-parallel-rng",
+    "tracker:expert-parallel-rng",
 }
 OLD_LAYOUT = "stores the RNG state in the old 2-D (pp, tp) layout"
 FSDP_OLD_LAYOUT = "it was written before rng-under-ep covered fsdp_dtensor"
@@ -155,7 +160,9 @@ def test_unpatched_ep_rank1_restores_rank0(unpatched):
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
     assert r0["fix_state"] == {MODULE: "disabled"}
     assert r0["error"] is None and set(r0["max_delta"].values()) == {0.0}, r0["max_delta"]
-    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1["error"]
+    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1[
+        "error"
+    ]
     # EP rank 1 resumes on EP rank 0's states, the expert-parallel tracker stream included.
     assert _delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[0]["tracker:expert-parallel-rng"]) == 0.0
     assert _same(r1["loaded"], saved[0]), {k: _delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
@@ -197,7 +204,9 @@ def test_fsdp_dtensor_unpatched_and_patched(tmp_path):
     # One (pp, tp) entry, DCP keeps one copy of each leaf: both ranks restore that mix of the two
     # ranks' saved states, and neither gets all of its own back.
     for rank, r in enumerate((r0, r1)):
-        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r["error"]
+        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
+            "error"
+        ]
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
         for k in COMPONENTS:  # every component one of the two ranks' states, some the other rank's
             assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
@@ -252,10 +261,15 @@ def test_source_patch_round_trips_with_the_monkeypatch_off(unpatched, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
     env.update(
         PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
-        PATCHED=str(tmp_path / "swift"), NEW_DIR=str(tmp_path / "new"), OLD_DIR=str(old_dir),
-        RESULT=str(tmp_path / "result.pkl"), MCORE_CKPT_FIXES="off",
+        PATCHED=str(tmp_path / "swift"),
+        NEW_DIR=str(tmp_path / "new"),
+        OLD_DIR=str(old_dir),
+        RESULT=str(tmp_path / "result.pkl"),
+        MCORE_CKPT_FIXES="off",
     )
-    proc = subprocess.run([sys.executable, "-c", _SOURCE_RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SOURCE_RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "result.pkl", "rb") as f:
         got = pickle.load(f)

@@ -30,8 +30,9 @@ def test_status_says_not_applicable_with_nemo_3(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = {r["id"]: r for r in json.loads(proc.stdout)}["expert-keys"]
     target = row["targets"][NEMO]
@@ -51,7 +52,9 @@ def test_nemo_2_strategy_is_reported_as_a_gap():
         return state_dict
 
     module = types.ModuleType(NEMO)
-    module.MegatronStrategy = type("MegatronStrategy", (), {"_get_fsdp_dtensor_state_dict": _get_fsdp_dtensor_state_dict})
+    module.MegatronStrategy = type(
+        "MegatronStrategy", (), {"_get_fsdp_dtensor_state_dict": _get_fsdp_dtensor_state_dict}
+    )
     verdict, why = probe_nemo(module)
     assert verdict is True and "without handle_experts_in_state_dict" in why
     try:
@@ -60,4 +63,7 @@ def test_nemo_2_strategy_is_reported_as_a_gap():
         assert "does not cover" in str(exc)
     else:
         raise AssertionError("apply_nemo must refuse: the gap is reported, not patched")
-    assert probe_nemo(types.ModuleType(NEMO)) == (None, f"{NEMO} has no MegatronStrategy._get_fsdp_dtensor_state_dict (no fsdp_dtensor path)")
+    assert probe_nemo(types.ModuleType(NEMO)) == (
+        None,
+        f"{NEMO} has no MegatronStrategy._get_fsdp_dtensor_state_dict (no fsdp_dtensor path)",
+    )

@@ -48,8 +48,12 @@ NAME = "verl"
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 SC = "mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips"
 COMPONENTS = {
-    "python", "numpy", "torch_cpu",
-    "tracker:data-parallel-rng", "tracker:model-parallel-rng", "tracker:expert-parallel-rng",
+    "python",
+    "numpy",
+    "torch_cpu",
+    "tracker:data-parallel-rng",
+    "tracker:model-parallel-rng",
+    "tracker:expert-parallel-rng",
 }
 OLD_LAYOUT = "stores the RNG state in the old 2-D (pp, tp) layout"
 FSDP_OLD_LAYOUT = "it was written before rng-under-ep covered fsdp_dtensor"
@@ -71,7 +75,9 @@ def verl():
 def _world(func, patched, ckpt_dir, nproc=2, **kwargs):
     env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
     return values(
-        run_world(f"{SC}:{func}", nproc, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=240)
+        run_world(
+            f"{SC}:{func}", nproc, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=240
+        )
     )
 
 
@@ -113,8 +119,9 @@ def _row(code, extra):
     """Run ``code`` in a fresh interpreter; its ``ROW {json}`` line."""
     import textwrap
 
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(extra), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=_env(extra), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("ROW "))[4:])
 
@@ -141,8 +148,13 @@ def test_status_applied_and_flag_off():
     assert off["state"] == "disabled" and off["target"] is None, off
     assert off["method"] == MODULE and off["load"] == "verl.utils.megatron.dist_checkpointing", off
 
-    proc = subprocess.run([sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"], env=_env({}),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"],
+        env=_env({}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = {r["id"]: r for r in json.loads(proc.stdout)}["rng-under-ep"]
     assert row["targets"][MODULE]["state"] == "applied", row["targets"]
@@ -157,7 +169,9 @@ def test_unpatched_ep_rank1_restores_rank0(tmp_path):
     _ranks_differ(saved)
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
     assert r0["error"] is None and set(r0["max_delta"].values()) == {0.0}, r0["max_delta"]
-    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1["error"]
+    assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1[
+        "error"
+    ]
     # EP rank 1 resumes on EP rank 0's states, the expert-parallel tracker stream included.
     assert _same(r1["loaded"], saved[0])
     assert _delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[1]["tracker:expert-parallel-rng"]) != 0.0
@@ -210,7 +224,9 @@ def test_fsdp_unpatched_ranks_restore_a_mix(tmp_path):
     _ranks_differ(saved)
     assert r0["layout"] == r1["layout"] == ["(0, 0)"]
     for rank, r in enumerate((r0, r1)):
-        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r["error"]
+        assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
+            "error"
+        ]
         for k in COMPONENTS:  # every component one of the two ranks' states, some the other rank's
             assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
         assert any(_delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
@@ -280,7 +296,9 @@ def test_source_patch(old_ckpt, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
     env.update(
         PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
-        PATCHED_VERL=str(tmp_path / "verl"), WORK=str(tmp_path), OLD_CKPT=str(old_ckpt[0]),
+        PATCHED_VERL=str(tmp_path / "verl"),
+        WORK=str(tmp_path),
+        OLD_CKPT=str(old_ckpt[0]),
         RESULT=str(tmp_path / "result.pkl"),
     )
     proc = subprocess.run([sys.executable, "-c", _SOURCE_RUN], env=env, capture_output=True, text=True, timeout=600)

@@ -26,7 +26,9 @@ def test_cuda_resume_exact_with_the_fixes(cfg, capsys):
     resume.prepare()
     out = resume.check(cfg, device="cuda")
     with capsys.disabled():
-        print(f"\n{cfg.name} on {torch.cuda.get_device_name(0)}: on {out['on']['verdict']}, off {out['off']['verdict']}")
+        print(
+            f"\n{cfg.name} on {torch.cuda.get_device_name(0)}: on {out['on']['verdict']}, off {out['off']['verdict']}"
+        )
     assert out["on"]["verdict"] == "exact", out["on"].get("error") or [r for r in out["on"]["ranks"] if not r["exact"]]
     if out["needed_here"]:
         assert out["off"]["verdict"] == "inexact", out["off"]

@@ -14,7 +14,6 @@ collects this module (and ``test_selftest_cuda``) on every line, so their parame
 are checked where no GPU is.
 """
 
-import os
 import tempfile
 
 import pytest
@@ -50,14 +49,17 @@ def test_cuda_round_trip(scenario, mcore_version, capsys):
         env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
         kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
         # spawn: importing Megatron here may already have initialised CUDA, which a fork cannot inherit.
-        return run_world(scenario.func, scenario.nproc, kwargs, backend=backend, method="spawn", env=env,
-                         timeout=scenario.timeout)
+        return run_world(
+            scenario.func, scenario.nproc, kwargs, backend=backend, method="spawn", env=env, timeout=scenario.timeout
+        )
 
     off = values(world(False))
     on = values(world(True))
     with capsys.disabled():
-        print(f"\n{scenario.id}: backend {backend}, devices {[r.get('device') for r in on]}, "
-              f"fix off: {[r['error'] for r in off]}, fix on max delta: {[max(r['max_delta'].values()) for r in on]}")
+        print(
+            f"\n{scenario.id}: backend {backend}, devices {[r.get('device') for r in on]}, "
+            f"fix off: {[r['error'] for r in off]}, fix on max delta: {[max(r['max_delta'].values()) for r in on]}"
+        )
     if affected:
         assert scenario.bug_for(mcore_version).seen_in(off), [(r["phase"], r["error"]) for r in off]
     else:

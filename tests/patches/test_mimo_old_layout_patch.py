@@ -54,7 +54,13 @@ def test_source_patch_reads_the_old_mimo_layout(mcore_version, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     # Both 0.17+ environments share the Python 3.12 interpreter; this one is it.
-    saved = _drive(sys.executable, writer_root, [{"mode": "save", "ckpt_dir": ckpt, "patched": False, "sharding_type": MIXED}], str(tmp_path), "save")
+    saved = _drive(
+        sys.executable,
+        writer_root,
+        [{"mode": "save", "ckpt_dir": ckpt, "patched": False, "sharding_type": MIXED}],
+        str(tmp_path),
+        "save",
+    )
     for rank, r in enumerate(saved):
         assert r["ok"] and r["error"] is None, (rank, r.get("error") or r.get("crash"))
         assert r["fix_state"] == {"megatron.core.models.mimo.optimizer": "disabled"}, r["fix_state"]
@@ -65,10 +71,18 @@ def test_source_patch_reads_the_old_mimo_layout(mcore_version, tmp_path):
     patched_root = tmp_path / "patched"
     shutil.copytree(pristine, patched_root / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     patch_file = os.path.join(ROOT, "patches", "mimo-optimizer", f"{release}.patch")
-    proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=patched_root, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["patch", "-p1", "--forward", "-i", patch_file], cwd=patched_root, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    loaded = _drive(sys.executable, str(patched_root), [{"mode": "load", "ckpt_dir": ckpt, "patched": False, "sharding_type": MIXED}], str(tmp_path), "load")
+    loaded = _drive(
+        sys.executable,
+        str(patched_root),
+        [{"mode": "load", "ckpt_dir": ckpt, "patched": False, "sharding_type": MIXED}],
+        str(tmp_path),
+        "load",
+    )
     assert [r.get("module") for r in loaded] == ["language", "vision"], loaded
     for rank, r in enumerate(loaded):
         assert r["ok"] and r["error"] is None, (rank, r.get("error") or r.get("crash"), r.get("traceback"))
@@ -78,7 +92,8 @@ def test_source_patch_reads_the_old_mimo_layout(mcore_version, tmp_path):
         assumed = (
             "; not stored there (0.17 keeps it in the common state, which only global rank 0 writes), so "
             "taken from this load's request, whose keys the checkpoint has: vision.param_state_sharding_type = 'dp_reshardable'"
-            if writer == "0.17.1" and r["module"] == "vision" else ""
+            if writer == "0.17.1" and r["module"] == "vision"
+            else ""
         )
         assert r["warnings"] == [
             f"{ckpt} holds the MIMO optimizer state of module(s) {r['module']} in the layout of an unfixed "

@@ -22,7 +22,9 @@ PATCHES = os.path.join(ROOT, "patches")
 
 
 def _implemented_fixes_with_patches():
-    return sorted(f.id for f in ENGINE.discover().values() if f.implemented and os.path.isdir(os.path.join(PATCHES, f.id)))
+    return sorted(
+        f.id for f in ENGINE.discover().values() if f.implemented and os.path.isdir(os.path.join(PATCHES, f.id))
+    )
 
 
 def _patch_for(fix_id, version):
@@ -89,13 +91,20 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
         return
     shutil.copytree(pristine_megatron, tmp_path / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     for args in (["--dry-run"], []):
-        proc = subprocess.run(["patch", "-p1", "--forward", *args, "-i", patch_file], cwd=tmp_path, capture_output=True, text=True)
-        assert proc.returncode == 0 and "FAILED" not in proc.stdout and "fuzz" not in proc.stdout.lower(), proc.stdout + proc.stderr
+        proc = subprocess.run(
+            ["patch", "-p1", "--forward", *args, "-i", patch_file], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert proc.returncode == 0 and "FAILED" not in proc.stdout and "fuzz" not in proc.stdout.lower(), (
+            proc.stdout + proc.stderr
+        )
     assert not glob.glob(str(tmp_path / "megatron" / "**" / "*.rej"), recursive=True)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
-               PATCHED_MEGATRON=str(tmp_path / "megatron"), FIX_ID=fix_id)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
+        PATCHED_MEGATRON=str(tmp_path / "megatron"),
+        FIX_ID=fix_id,
+    )
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
@@ -106,7 +115,10 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
     for module, state in result["probe"].items():
         if module in result["absent"]:  # not in this release's wheel: its hook never fires
             # (a framework gated by its own version and not installed: reported not-applicable)
-            assert state["state"] in (("pending", "not-applicable") if module in frameworks else ("pending",)), (module, state)
+            assert state["state"] in (("pending", "not-applicable") if module in frameworks else ("pending",)), (
+                module,
+                state,
+            )
             continue
         assert state["state"] == "not-needed" and state["reason"].startswith("probe:"), (module, state)
     assert set(result["probe"]) == {t.module for t in fix.targets}

@@ -44,7 +44,9 @@ def _fail_text(mode_out):
         return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
     return "\n".join(
         f"rank {r['rank']} (ep {r['ep']}, tp {r['tp']}): losses differ at {r['losses_differ']}, "
-        f"{r['n_differ']} values: {r['differ']}" for r in mode_out["ranks"] if not r["exact"]
+        f"{r['n_differ']} values: {r['differ']}"
+        for r in mode_out["ranks"]
+        if not r["exact"]
     )
 
 

@@ -62,7 +62,9 @@ def dtensor_layout(tensor, key="<tensor>") -> Layout:
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     coord = mesh.get_coordinate()
     if coord is None:
-        raise DTensorPlacementError(f"{key}: this rank is not in the DTensor's device mesh; accepted: a DTensor whose mesh includes this rank")
+        raise DTensorPlacementError(
+            f"{key}: this rank is not in the DTensor's device mesh; accepted: a DTensor whose mesh includes this rank"
+        )
     mesh_shape = tuple(mesh.shape)
     global_shape = tuple(tensor.shape)
     ndim = len(global_shape)
@@ -262,8 +264,12 @@ class _ParallelState:
         return lambda *a, **k: Group(rank=self._g[g][0], size=self._g[g][1])
 
     def __getattr__(self, name):
-        for g, word in (("edp", "expert_data_parallel"), ("ep", "expert_model_parallel"),
-                        ("tp", "tensor_model_parallel"), ("dp", "data_parallel")):
+        for g, word in (
+            ("edp", "expert_data_parallel"),
+            ("ep", "expert_model_parallel"),
+            ("tp", "tensor_model_parallel"),
+            ("dp", "data_parallel"),
+        ):
             if f"get_{word}_" in name:
                 kind = "rank" if name.endswith("_rank") else "size" if name.endswith("world_size") else "group"
                 return getattr(self, f"_{kind}")(g)
@@ -354,7 +360,13 @@ def probe_sequential_mlp(module: types.ModuleType):
 
     class Expert(torch.nn.Module):
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sh = ShardedTensor.from_rank_offsets(f"{prefix}w", torch.zeros(1), *sharded_offsets, replica_id=(0, 0, 0), prepend_axis_num=len(sharded_offsets))
+            sh = ShardedTensor.from_rank_offsets(
+                f"{prefix}w",
+                torch.zeros(1),
+                *sharded_offsets,
+                replica_id=(0, 0, 0),
+                prepend_axis_num=len(sharded_offsets),
+            )
             setattr(sh, FSDP2_TAG, True)
             return {f"{prefix}w": sh}
 
@@ -371,7 +383,10 @@ def probe_sequential_mlp(module: types.ModuleType):
     (sh,) = out.values()
     if sh.replica_id[-1] == 0:
         return False, "SequentialMLP keeps the DP replica index of DTensor-described expert shards"
-    return True, "SequentialMLP overwrites the DP replica index of DTensor-described expert shards with the expert-DP rank"
+    return (
+        True,
+        "SequentialMLP overwrites the DP replica index of DTensor-described expert shards with the expert-DP rank",
+    )
 
 
 # -- apply ---------------------------------------------------------------------------------------

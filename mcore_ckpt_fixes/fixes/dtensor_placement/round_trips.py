@@ -185,7 +185,9 @@ def validate(sharded_sd):
                 raw.append(f"{type(exc).__name__}: {exc}")
         if bad:
             kinds = sorted({k for _, k in bad})
-            verdict = [(f"CheckpointingException: {' / '.join(kinds)} for " + ", ".join(k for k, _ in bad), "\n".join(raw))]
+            verdict = [
+                (f"CheckpointingException: {' / '.join(kinds)} for " + ", ".join(k for k, _ in bad), "\n".join(raw))
+            ]
     dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
 
@@ -296,8 +298,12 @@ def moe_ep(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str
     if helpers_read_parallel_state():  # 0.12-0.15: modules and helpers take their groups from parallel_state
         ps = _initialize_parallel_state(tp=1, ep=2)
         dense, expert_dp, ep_rank, layer_kwargs, metadata = (
-            ps.get_data_parallel_group(with_context_parallel=True), ps.get_expert_data_parallel_group(),
-            ps.get_expert_model_parallel_rank(), {}, None)
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_data_parallel_group(),
+            ps.get_expert_model_parallel_rank(),
+            {},
+            None,
+        )
     else:
         pgs, _, _ = _pgs(tp=1, ep=2)
         dense, expert_dp, ep_rank = pgs.dp_cp, pgs.expt_dp, pgs.ep.rank()
@@ -366,7 +372,12 @@ def tp_fsdp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: st
     assert world_size == 2
     if helpers_read_parallel_state():
         ps = _initialize_parallel_state(tp=2, ep=1)
-        pgs, dense, tp_rank, metadata = None, ps.get_data_parallel_group(with_context_parallel=True), ps.get_tensor_model_parallel_rank(), None
+        pgs, dense, tp_rank, metadata = (
+            None,
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_tensor_model_parallel_rank(),
+            None,
+        )
     else:
         pgs, _, _ = _pgs(tp=2, ep=1)
         dense, tp_rank, metadata = pgs.dp_cp, pgs.tp.rank(), {"dp_cp_group": pgs.dp_cp}
@@ -422,7 +433,8 @@ class _ExpertsThroughHelpers(torch.nn.Module):
             param = getattr(self, name)
             if helper == "make_tp_sharded_tensor_for_checkpoint":
                 out[name] = utils.make_tp_sharded_tensor_for_checkpoint(
-                    param, name, tp_axis=0, prepend_offsets=expert, **groups)
+                    param, name, tp_axis=0, prepend_offsets=expert, **groups
+                )
             else:
                 out[name] = utils.make_sharded_tensor_for_checkpoint(param, name, prepend_offsets=expert, **groups)
         return out
@@ -453,7 +465,11 @@ def ep2_helpers(rank: int, world_size: int, ckpt_dir: str, patched: bool, device
     assert world_size == 2
     if helpers_read_parallel_state():
         ps = _initialize_parallel_state(tp=1, ep=2)
-        expert_mesh, ep_rank, dense = _mesh(ps.get_expert_data_parallel_group()), ps.get_expert_model_parallel_rank(), None
+        expert_mesh, ep_rank, dense = (
+            _mesh(ps.get_expert_data_parallel_group()),
+            ps.get_expert_model_parallel_rank(),
+            None,
+        )
         assert ps.get_data_parallel_world_size() == 2
     else:
         pgs, _, _ = _pgs(tp=1, ep=2)

@@ -141,7 +141,6 @@ def probe(module: types.ModuleType):
     def handle(ep_size, ep_rank, *args):
         return _call_with_ep(module, fns, "handle_experts_in_state_dict", ep_size, ep_rank, *args)
 
-
     # EP rank 1 of 2, 4 experts: local 0, 1 must become global 2, 3 for weights and biases alike.
     keys = [f"{_PROBE_PREFIX}linear_fc{f}.{p}{i}" for f in (1, 2) for p in ("weight", "bias") for i in (0, 1)]
     out = handle(2, 1, dict.fromkeys(keys), 4)
@@ -268,7 +267,6 @@ probe_bridge = probe_training
 def apply_bridge(module: types.ModuleType, patcher: Patcher) -> None:
     # Megatron-Bridge's binding only, as for megatron.training: see BRIDGE.
     patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", bridge_preprocess_state_dict_for_uneven_dtensor)
-
 
 
 # -- NeMo 2 (nemo-toolkit < 3.0): a known gap, reported, not patched --------------------------------

@@ -61,8 +61,12 @@ def prepare() -> None:
 # the local expert); "grouped_bias" (indexed weights, one grouped bias: moe_single_grouped_bias
 # alone, the one a CPU-free config can reach, since single grouped weights need fp8/mxfp8).
 GROUPED = "all"  # marks a grouped tensor in _shapes: dim 0 holds every local expert
-_EXPERT_SHAPES = {"linear_fc1.weight": (FFN, HIDDEN), "linear_fc1.bias": (FFN,),
-                  "linear_fc2.weight": (HIDDEN, FFN), "linear_fc2.bias": (HIDDEN,)}
+_EXPERT_SHAPES = {
+    "linear_fc1.weight": (FFN, HIDDEN),
+    "linear_fc1.bias": (FFN,),
+    "linear_fc2.weight": (HIDDEN, FFN),
+    "linear_fc2.bias": (HIDDEN,),
+}
 
 
 def _shapes(variant="indexed"):
@@ -125,8 +129,10 @@ class _Layout:
         self.edp_rank, self.edp_size = edp.rank(), edp.size()
         self.dp_rank, self.dp_size = dp.rank(), dp.size()
         ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, use_megatron_fsdp=True,
-            data_parallel_sharding_strategy="optim_grads_params", num_distributed_optimizer_instances=1,
+            use_distributed_optimizer=True,
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads_params",
+            num_distributed_optimizer_instances=1,
         )
         # The real mesh construction of FullyShardedDataParallel.__init__ (the rest of __init__ builds
         # Megatron-FSDP's CUDA buffers, which a CPU host cannot), its meshes on the CPU.
@@ -140,7 +146,9 @@ class _Layout:
 
     def shard_of(self, rank, name, full, is_expert):
         ep_rank, edp_rank, dp_rank = self.coords[rank]
-        r0, r1 = _cut(full.shape[0], edp_rank, self.edp_size) if is_expert else _cut(full.shape[0], dp_rank, self.dp_size)
+        r0, r1 = (
+            _cut(full.shape[0], edp_rank, self.edp_size) if is_expert else _cut(full.shape[0], dp_rank, self.dp_size)
+        )
         return full[r0:r1]
 
 
@@ -149,7 +157,11 @@ def _dtensor(layout, shard, full_shape, is_expert):
 
     template = torch.nn.Parameter(torch.empty(full_shape), requires_grad=False)
     return make_fsdp_dtensor(
-        shard.clone(), template, layout.index, is_sharded_param=True, is_expert_param=is_expert,
+        shard.clone(),
+        template,
+        layout.index,
+        is_sharded_param=True,
+        is_expert_param=is_expert,
         update_uneven_dtensor_chunk_meta=True,
     )
 
@@ -297,9 +309,7 @@ def _save(rt, layout, ckpt_dir, patched, variant, via="release"):
     to_save, rt["via"] = _preprocess(chunk, state, via)
     # The caller's optimizer dicts (Megatron loads the optimizer from them afterwards) keep the
     # parameter-shaped tensors, whatever the preprocessing put in the dict it checkpoints.
-    rt["raw_state_kept"] = all(
-        state["optimizer"]["state"][n][sub] is v for (n, sub), v in raw.items()
-    )
+    rt["raw_state_kept"] = all(state["optimizer"]["state"][n][sub] is v for (n, sub), v in raw.items())
     rt["saved_keys"] = sorted(to_save["model"])
     rt.phase("save")
     dcp.save(to_save, checkpoint_id=ckpt_dir)
@@ -307,7 +317,7 @@ def _save(rt, layout, ckpt_dir, patched, variant, via="release"):
     # The global shape the checkpoint records for each expert tensor of the model (metadata only).
     stored = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
     rt["stored_shapes"] = {
-        k[len("model."):]: list(md.size) for k, md in stored.items() if k.startswith("model.") and ".experts." in k
+        k[len("model.") :]: list(md.size) for k, md in stored.items() if k.startswith("model.") and ".experts." in k
     }
     return expected
 

@@ -135,7 +135,10 @@ def _verdict(seen, built):
     if "make_fsdp_dtensor" in seen:
         got = seen["make_fsdp_dtensor"].numel()
         if got != 2 * _COLS:
-            return True, f"split_gdn_fused splits a TP-local tensor by TP again (query got {got} of {2 * _COLS} elements)"
+            return (
+                True,
+                f"split_gdn_fused splits a TP-local tensor by TP again (query got {got} of {2 * _COLS} elements)",
+            )
         return False, "split_gdn_fused keeps a TP-local tensor's component sizes"
     if built:
         # No Megatron-FSDP helper (and so no collective) was called: the split was computed locally
@@ -148,4 +151,3 @@ def _verdict(seen, built):
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace_function(module, NAME, upstream.handle_gdn_in_state_dict)
-

@@ -54,6 +54,7 @@ def prepare() -> None:
 
 def _cpu_cuda_shim():
     if not torch.cuda.is_available() and not getattr(torch.Tensor.cuda, "_mcore_ckpt_fixes_shim", False):
+
         def cuda(self, *args, **kwargs):
             return self
 
@@ -217,8 +218,11 @@ def _refuse(msd, osd):
     comparison fingerprints them one by one (RoundTrip.compare's ``parts``)."""
     from torch.distributed.tensor import DTensor
 
-    names = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-             "conv1d.weight": ("query", "key", "value"), "conv1d.bias": ("query", "key", "value")}
+    names = {
+        "in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+        "conv1d.weight": ("query", "key", "value"),
+        "conv1d.bias": ("query", "key", "value"),
+    }
     out, parts = {}, {}
 
     def loc(t):
@@ -273,8 +277,9 @@ def _dcp_state(msd, osd):
     return state
 
 
-def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="tp_local", optimizer=False,
-               global_check=True):
+def round_trip(
+    rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="tp_local", optimizer=False, global_check=True
+):
     import torch.distributed.checkpoint as dcp
 
     if device != "cpu":
@@ -317,12 +322,17 @@ def _global_check(w, ckpt_dir):
     TP order), i.e. the layout a checkpoint of any TP size can be resharded from."""
     import torch.distributed.checkpoint as dcp
 
-    names = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-             "conv1d.weight": ("query", "key", "value"), "conv1d.bias": ("query", "key", "value")}
+    names = {
+        "in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+        "conv1d.weight": ("query", "key", "value"),
+        "conv1d.bias": ("query", "key", "value"),
+    }
     deltas, want, read = {}, {}, {}
     for name, subs in names.items():
-        parts = [list(torch.split(_values(SAVE_SEED, t, name, local_shapes(w.tp)[name]),
-                                  _sizes(w.tp, name), dim=0)) for t in range(w.tp)]
+        parts = [
+            list(torch.split(_values(SAVE_SEED, t, name, local_shapes(w.tp)[name]), _sizes(w.tp, name), dim=0))
+            for t in range(w.tp)
+        ]
         for i, s in enumerate(subs):
             full = torch.cat([parts[t][i] for t in range(w.tp)])
             key = f"{PATH}.{name}.{s}"
@@ -381,13 +391,27 @@ def mixed(rank, world_size, ckpt_dir, patched, device="cpu"):
 
 # -- collective counting (benchmarks/gdn_collectives.py) -------------------------------------------
 
-_COLLECTIVES = ("all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
-                "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "barrier", "gather_object",
-                "scatter_object_list", "all_to_all", "send", "recv")
+_COLLECTIVES = (
+    "all_gather_object",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "barrier",
+    "gather_object",
+    "scatter_object_list",
+    "all_to_all",
+    "send",
+    "recv",
+)
 
 
-def count_collectives(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="tp_local", optimizer=True,
-                      impl="current"):
+def count_collectives(
+    rank, world_size, ckpt_dir, patched, device="cpu", tp=2, layout="tp_local", optimizer=True, impl="current"
+):
     """Collectives issued by ``handle_gdn_in_state_dict`` (save preprocessing only), by name.
 
     ``impl``: "current" (what is bound now: the fix if applied) or "upstream" (the release's own).
@@ -435,8 +459,17 @@ def count_collectives(rank, world_size, ckpt_dir, patched, device="cpu", tp=2, l
     dist.barrier()
     n_params = len(_gdn_keys())
     n_tensors = n_params * (3 if optimizer else 1)
-    return {"counts": counts, "total": sum(counts.values()), "gdn_params": n_params, "gdn_tensors": n_tensors,
-            "seconds": elapsed, "impl": impl, "layout": layout, "tp": tp, "error": error}
+    return {
+        "counts": counts,
+        "total": sum(counts.values()),
+        "gdn_params": n_params,
+        "gdn_tensors": n_tensors,
+        "seconds": elapsed,
+        "impl": impl,
+        "layout": layout,
+        "tp": tp,
+        "error": error,
+    }
 
 
 # -- plain torch DTensors (no Megatron-FSDP attributes) --------------------------------------------
@@ -493,7 +526,9 @@ def _build_plain(layout, seed):
         if tp > 1 and name == "out_proj.weight":
             continue  # not a GDN fused tensor; a TP-local DTensor "replicated" over "tp" would collide by itself
         dt = _plain_dtensor(_values(seed, tp_rank, name, shape), mesh, placements, tp)
-        getattr(gdn, name.split(".")[0]).register_parameter(name.split(".")[1], torch.nn.Parameter(dt, requires_grad=False))
+        getattr(gdn, name.split(".")[0]).register_parameter(
+            name.split(".")[1], torch.nn.Parameter(dt, requires_grad=False)
+        )
         key = f"{PATH}.{name}"
         expected[key] = dt.to_local().clone()
         entry = {"step": torch.tensor(7.0)}

@@ -71,8 +71,9 @@ def hsdp_ep_behaviour(module):
             return object()
 
     two, one = Group(size=2), Group(size=1)
-    pgs = types.SimpleNamespace(tp=one, expt_tp=one, intra_dp_cp=one, inter_dist_opt=two, dp_cp=two, ep=two,
-                                expt_dp=one, intra_expt_dp=one)
+    pgs = types.SimpleNamespace(
+        tp=one, expt_tp=one, intra_dp_cp=one, inter_dist_opt=two, dp_cp=two, ep=two, expt_dp=one, intra_expt_dp=one
+    )
     fake = {
         "FSDPDistributedIndex": index,
         "DeviceMesh": _Mesh,

@@ -71,8 +71,10 @@ def _setup(ep, instances):
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep, num_distributed_optimizer_instances=instances)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, use_megatron_fsdp=True,
-        data_parallel_sharding_strategy="optim_grads_params", num_distributed_optimizer_instances=instances,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        num_distributed_optimizer_instances=instances,
     )
     wrapper = types.SimpleNamespace(ddp_config=ddp_config, num_moe_experts=NUM_EXPERTS)
     edp = sorted(dist.get_process_group_ranks(ps.get_expert_data_parallel_group()))
@@ -91,8 +93,9 @@ def _param(index, full, is_expert):
     bounds = [min(ROWS, -(-ROWS * k * 5 // (4 * size))) for k in range(size)] + [ROWS]
     shard = full[bounds[rank] : bounds[rank + 1]].clone()
     template = torch.nn.Parameter(torch.empty(full.shape), requires_grad=False)
-    dt = make_fsdp_dtensor(shard, template, index, is_sharded_param=True, is_expert_param=is_expert,
-                           update_uneven_dtensor_chunk_meta=True)
+    dt = make_fsdp_dtensor(
+        shard, template, index, is_sharded_param=True, is_expert_param=is_expert, update_uneven_dtensor_chunk_meta=True
+    )
     return dt, shard
 
 
@@ -133,8 +136,12 @@ def _configuration(rt, name, ep, instances, ckpt_dir):
         ps.destroy_model_parallel()
         return
     rt.phase("placement")
-    meshes = {"dense": _ranks(index.device_mesh), "expert": _ranks(index.expt_device_mesh),
-              "dense_dp_group": dp, "expert_dp_group": edp}
+    meshes = {
+        "dense": _ranks(index.device_mesh),
+        "expert": _ranks(index.expt_device_mesh),
+        "dense_dp_group": dp,
+        "expert_dp_group": edp,
+    }
     rt["meshes"][name] = meshes
     assert meshes["dense"] == dp, f"{name}: dense parameters are not sharded over the data-parallel ranks: {meshes}"
     assert meshes["expert"] == edp, f"{name}: {DENSE_MESH}"

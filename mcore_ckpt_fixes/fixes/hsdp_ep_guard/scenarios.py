@@ -17,8 +17,14 @@ DENSE_MESH_BUG = Bug.raises("placement", f"AssertionError: hsdp_ep2: {DENSE_MESH
 
 SCENARIOS = (
     Scenario(
-        ID, "configurations", f"{_HG}:configurations", 4, DENSE_MESH_BUG,
-        prepare=f"{_HG}:prepare", devices=("cpu",), timeout=240,
+        ID,
+        "configurations",
+        f"{_HG}:configurations",
+        4,
+        DENSE_MESH_BUG,
+        prepare=f"{_HG}:prepare",
+        devices=("cpu",),
+        timeout=240,
         requires=(f"{MODULE}:FullyShardedDataParallel",),
         applicable=f"{_HG}:expert_meshes_exist",
         doc="Megatron-FSDP meshes for EP=2, HSDP, HSDP x EP=2 on 4 ranks; DCP round trip on each accepted one",

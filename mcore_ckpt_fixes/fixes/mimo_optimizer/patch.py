@@ -434,4 +434,3 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
         patcher.replace_function(importlib.import_module(LOAD_MODULE), "load", load)
         # Its decision reads the checkpoint's metadata: shared with the load's own read.
         share_metadata_reads(patcher)
-

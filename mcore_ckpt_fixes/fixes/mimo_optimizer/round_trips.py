@@ -38,7 +38,6 @@ what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` recei
 
 from __future__ import annotations
 
-import os
 import traceback
 import warnings
 import zlib
@@ -88,8 +87,19 @@ class _Layout:
 
         mine = groups[self.module]
         self.pgs = ProcessGroupCollection(
-            tp=mine, cp=alone, pp=alone, dp=alone, dp_cp=alone, mp=mine, tp_cp=mine, tp_dp_cp=mine,
-            tp_ep_pp=mine, expt_dp=alone, intra_dist_opt=mine, ep=alone, expt_tp=mine,
+            tp=mine,
+            cp=alone,
+            pp=alone,
+            dp=alone,
+            dp_cp=alone,
+            mp=mine,
+            tp_cp=mine,
+            tp_dp_cp=mine,
+            tp_ep_pp=mine,
+            expt_dp=alone,
+            intra_dist_opt=mine,
+            ep=alone,
+            expt_tp=mine,
         )
         self.tp_rank = self.pgs.tp.rank()
 
@@ -98,8 +108,12 @@ def _config():
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, use_cpu_initialization=True,
-        params_dtype=torch.bfloat16, bf16=True,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
     )
 
 
@@ -115,12 +129,23 @@ def _tower_class():
             self.tp_group = tp_group
             init = torch.nn.init.zeros_
             self.fc1 = ColumnParallelLinear(
-                HIDDEN, width, config=config, init_method=init, bias=True, gather_output=False,
+                HIDDEN,
+                width,
+                config=config,
+                init_method=init,
+                bias=True,
+                gather_output=False,
                 tp_group=tp_group,
             )
             self.fc2 = RowParallelLinear(
-                width, HIDDEN, config=config, init_method=init, bias=True, input_is_parallel=True,
-                skip_bias_add=False, tp_group=tp_group,
+                width,
+                HIDDEN,
+                config=config,
+                init_method=init,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+                tp_group=tp_group,
             )
 
     return Tower
@@ -165,15 +190,22 @@ def _build(layout, seed, fmt):
         for pname, p in model.module.named_parameters():
             p.copy_(_values(seed, name, _tp_key(p, layout.tp_rank), "param", pname, shape=p.shape))
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=1e-3, weight_decay=0.01, use_distributed_optimizer=distributed,
-        bf16=True, fp16=False, params_dtype=torch.bfloat16,
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.01,
+        use_distributed_optimizer=distributed,
+        bf16=True,
+        fp16=False,
+        params_dtype=torch.bfloat16,
     )
     opt = get_megatron_optimizer(opt_config, [model], pg_collection=layout.pgs, use_gloo_process_groups=False)
     _fill_state(opt, seed, name, layout.tp_rank)
     infos = {
         m: ModuleOptimizerInfo(
-            optimizer=opt if m == name else None, grid=None,
-            pg_collection=layout.pgs if m == name else None, is_active=m == name,
+            optimizer=opt if m == name else None,
+            grid=None,
+            pg_collection=layout.pgs if m == name else None,
+            is_active=m == name,
         )
         for m in MODULES
     }
@@ -329,11 +361,19 @@ def _save(built, ckpt_dir, sharding_type):
 
     # Every rank builds its state dict first: one that fails there must not leave the others in
     # the validation's collectives.
-    _step("sharded_state_dict", built.mimo.sharded_state_dict, built.model_sharded_state_dict(),
-          metadata=_metadata(sharding_type))
+    _step(
+        "sharded_state_dict",
+        built.mimo.sharded_state_dict,
+        built.model_sharded_state_dict(),
+        metadata=_metadata(sharding_type),
+    )
     _step("save", preflight)
-    sd = _step("sharded_state_dict", built.mimo.sharded_state_dict, built.model_sharded_state_dict(),
-               metadata=_metadata(sharding_type))
+    sd = _step(
+        "sharded_state_dict",
+        built.mimo.sharded_state_dict,
+        built.model_sharded_state_dict(),
+        metadata=_metadata(sharding_type),
+    )
     _step("save", dist_checkpointing.save, sd, ckpt_dir)
     dist.barrier()
 
@@ -350,15 +390,21 @@ def _load(built, ckpt_dir, sharding_type):
         # state, then the access validation (rank 0 raises, the others would go on into torch
         # DCP's collectives and wait there until the deadline).
         dist_checkpointing.load_common_state_dict(ckpt_dir)
-        sd = built.mimo.sharded_state_dict(built.model_sharded_state_dict(), is_loading=True,
-                                           metadata=_metadata(sharding_type))
+        sd = built.mimo.sharded_state_dict(
+            built.model_sharded_state_dict(), is_loading=True, metadata=_metadata(sharding_type)
+        )
         sd, _, _ = load_preprocess(sd)
         sd, _ = extract_sharded_base(sd)
         validate_sharding_integrity(determine_global_metadata(sd)[1])
 
     _step("load", preflight)
-    sd = _step("sharded_state_dict", built.mimo.sharded_state_dict, built.model_sharded_state_dict(),
-               is_loading=True, metadata=_metadata(sharding_type))
+    sd = _step(
+        "sharded_state_dict",
+        built.mimo.sharded_state_dict,
+        built.model_sharded_state_dict(),
+        is_loading=True,
+        metadata=_metadata(sharding_type),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = _step("load", dist_checkpointing.load, sd, ckpt_dir)
@@ -369,8 +415,11 @@ def _load(built, ckpt_dir, sharding_type):
     # The monkeypatch warns with MegatronPatchWarning; a source-patched Megatron (patches/) with
     # a plain UserWarning carrying the same text after the "mcore_ckpt_fixes: <fix>: " prefix.
     return got.get("param_state_sharding_type"), sorted(
-        {str(w.message) for w in caught
-         if issubclass(w.category, MegatronPatchWarning) or "holds the MIMO optimizer state" in str(w.message)}
+        {
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, MegatronPatchWarning) or "holds the MIMO optimizer state" in str(w.message)
+        }
     )
 
 
@@ -381,7 +430,13 @@ def _round_trip():
     :func:`_record_world_failure`); anything else raised on this rank, outside a collective step, is
     recorded by the RoundTrip in phase ``setup`` (the only phase set here: the steps name theirs)."""
     rt = RoundTrip(
-        rank_errors=None, bad_groups=[], device="cpu", module=None, tp_rank=None, sharding_type=None, warnings=[],
+        rank_errors=None,
+        bad_groups=[],
+        device="cpu",
+        module=None,
+        tp_rank=None,
+        sharding_type=None,
+        warnings=[],
         steps=None,
     )
     rt.phase("setup")
@@ -485,6 +540,7 @@ def torch_adam(rank, world_size, ckpt_dir, patched, device="cpu"):
 
 def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="dp_reshardable"):
     """The save half of :func:`round_trip` (cross-release matrix: another environment loads)."""
+
     def body(layout, rt):
         own = _own_type(sharding_type, layout)
         _save(_build(layout, SAVE_SEED, own), ckpt_dir, own)

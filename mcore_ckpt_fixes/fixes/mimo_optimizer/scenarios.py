@@ -43,16 +43,26 @@ MIMO_COMMON_STATE = ">=0.17.0,<=0.19.2"
 MIMO_STEP_BUG = Bug.raises("load_state_dict", "KeyError: 'step'")
 SCENARIOS = (
     Scenario(
-        ID, "world2", f"{_MIMO}:round_trip", 2,
+        ID,
+        "world2",
+        f"{_MIMO}:round_trip",
+        2,
         {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG},
-        prepare=f"{_MIMO}:prepare", devices=("cpu",), requires=_MIMO_REQUIRES,
+        prepare=f"{_MIMO}:prepare",
+        devices=("cpu",),
+        requires=_MIMO_REQUIRES,
         applicable=f"{_MIMO}:save_side_applicable",
         doc="language on rank 0, vision on rank 1, DistributedOptimizer dp_reshardable",
     ),
     Scenario(
-        ID, "torch_adam", f"{_MIMO}:torch_adam", 2,
+        ID,
+        "torch_adam",
+        f"{_MIMO}:torch_adam",
+        2,
         {MIMO_COMMON_STATE: MIMO_STEP_BUG},
-        prepare=f"{_MIMO}:prepare", devices=("cpu",), requires=_MIMO_REQUIRES,
+        prepare=f"{_MIMO}:prepare",
+        devices=("cpu",),
+        requires=_MIMO_REQUIRES,
         doc="language on rank 0, vision on rank 1, non-distributed optimizer over torch AdamW (bf16)",
     ),
 )

@@ -83,8 +83,26 @@ FIX = Fix(
     ),
     targets=(
         Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply"),
-        Target("swift.megatron.utils.megatron_lm_utils", f"{__name__}.ms_swift:probe", f"{__name__}.ms_swift:apply", package="ms-swift", affected="<=4.6.0"),
-        Target("megatron.bridge.training.checkpointing", f"{__name__}.bridge:probe", f"{__name__}.bridge:apply", package="megatron-bridge", affected="<=0.6.2"),
-        Target("verl.utils.checkpoint.megatron_checkpoint_manager", f"{__name__}.verl:probe", f"{__name__}.verl:apply", package="verl", affected="<=0.9.1"),
+        Target(
+            "swift.megatron.utils.megatron_lm_utils",
+            f"{__name__}.ms_swift:probe",
+            f"{__name__}.ms_swift:apply",
+            package="ms-swift",
+            affected="<=4.6.0",
+        ),
+        Target(
+            "megatron.bridge.training.checkpointing",
+            f"{__name__}.bridge:probe",
+            f"{__name__}.bridge:apply",
+            package="megatron-bridge",
+            affected="<=0.6.2",
+        ),
+        Target(
+            "verl.utils.checkpoint.megatron_checkpoint_manager",
+            f"{__name__}.verl:probe",
+            f"{__name__}.verl:apply",
+            package="verl",
+            affected="<=0.9.1",
+        ),
     ),
 )

@@ -130,8 +130,13 @@ def _probe_once(module, dp_rank, ckpt_format):
         raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
     # One rank of pp=1, tp=1, dp_cp=2 with EP=2 (the two EP ranks are the two data-parallel ranks).
     pgs = types.SimpleNamespace(
-        pp=Group(), tp=Group(), dp=Group(dp_rank, 2), dp_cp=Group(dp_rank, 2), ep=Group(dp_rank, 2),
-        expt_tp=Group(), expt_dp=Group(),
+        pp=Group(),
+        tp=Group(),
+        dp=Group(dp_rank, 2),
+        dp_cp=Group(dp_rank, 2),
+        ep=Group(dp_rank, 2),
+        expt_tp=Group(),
+        expt_dp=Group(),
     )
     module.__dict__.update(stand_ins)
     try:

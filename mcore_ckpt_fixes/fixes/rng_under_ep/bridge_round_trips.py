@@ -75,11 +75,22 @@ def _config(ckpt_dir, ckpt_format):
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
     model = GPTModelProvider(
-        num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
-        num_moe_experts=EP, expert_model_parallel_size=EP, moe_grouped_gemm=False,
-        moe_router_load_balancing_type="none", use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=32,
+        num_moe_experts=EP,
+        expert_model_parallel_size=EP,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
     )
     model.finalize()  # Bridge defers TransformerConfig.__post_init__ (init methods, ...) to here
     return ConfigContainer(
@@ -91,8 +102,14 @@ def _config(ckpt_dir, ckpt_format):
         logger=LoggerConfig(),
         tokenizer=TokenizerConfig(),
         checkpoint=CheckpointConfig(
-            save=ckpt_dir, load=ckpt_dir, ckpt_format=ckpt_format, save_interval=1,
-            save_optim=False, load_optim=False, save_rng=True, load_rng=True,
+            save=ckpt_dir,
+            load=ckpt_dir,
+            ckpt_format=ckpt_format,
+            save_interval=1,
+            save_optim=False,
+            load_optim=False,
+            save_rng=True,
+            load_rng=True,
         ),
     )
 
@@ -141,7 +158,9 @@ def _seed_and_consume(state, stand_in, seed):
     if not torch.cuda.device_count():  # _set_random_seed seeds the tracker only when it sees a GPU
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed + 100 * get_pg_rank(pgs.pp),
-            tp_rank=get_pg_rank(pgs.tp), ep_rank=get_pg_rank(pgs.ep), etp_rank=get_pg_rank(pgs.expt_tp),
+            tp_rank=get_pg_rank(pgs.tp),
+            ep_rank=get_pg_rank(pgs.ep),
+            etp_rank=get_pg_rank(pgs.expt_tp),
         )
     consume_streams(stand_in, seed)
 
@@ -152,7 +171,8 @@ def _layout(state):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     obj = checkpointing.get_rng_state(
-        state.cfg.rng.data_parallel_random_init, state.cfg.checkpoint.ckpt_format,
+        state.cfg.rng.data_parallel_random_init,
+        state.cfg.checkpoint.ckpt_format,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     if isinstance(obj, dict):  # fsdp_dtensor: a plain dict, keyed by its layout

@@ -201,7 +201,10 @@ def probe(module: types.ModuleType):
     if not hasattr(module, "_get_rng_state") or not hasattr(module, "dist_checkpointing"):
         return None, f"{MODULE} has no _get_rng_state / dist_checkpointing"
     return torch_dist_verdict(
-        _probe_once(module, 0), _probe_once(module, 1), "ms-swift's _get_rng_state", "ms-swift's _get_rng_state(fsdp_dtensor=False)"
+        _probe_once(module, 0),
+        _probe_once(module, 1),
+        "ms-swift's _get_rng_state",
+        "ms-swift's _get_rng_state(fsdp_dtensor=False)",
     )
 
 

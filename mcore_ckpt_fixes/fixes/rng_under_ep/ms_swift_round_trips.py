@@ -53,7 +53,19 @@ import torch.distributed as dist
 
 from ...testing.states import fix_states
 from . import ID as FIX_ID
-from .round_trips import EP, FRESH_SEED, SEED, CudaRngStandIn, _model_tensors, compare_exact, consume_streams, _round_trip, _scramble, _teardown, snapshot
+from .round_trips import (
+    EP,
+    FRESH_SEED,
+    SEED,
+    CudaRngStandIn,
+    _model_tensors,
+    compare_exact,
+    consume_streams,
+    _round_trip,
+    _scramble,
+    _teardown,
+    snapshot,
+)
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 
@@ -87,7 +99,9 @@ def _transformer_engine_stand_in():
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     te_ext = sys.modules["megatron.core.extensions.transformer_engine"]
-    te = types.ModuleType("transformer_engine", "stand-in (mcore_ckpt_fixes ms-swift round trips): no Transformer Engine here")
+    te = types.ModuleType(
+        "transformer_engine", "stand-in (mcore_ckpt_fixes ms-swift round trips): no Transformer Engine here"
+    )
     te.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None, is_package=True)
     te.__path__ = []  # a package without submodules: `import transformer_engine.pytorch` fails
     placeholder = getattr(te_ext, "TEGroupedLinear", None) is None
@@ -103,7 +117,8 @@ def _transformer_engine_stand_in():
         if placeholder:
             te_ext.TEGroupedLinear = None
     fooled = sorted(
-        name for name in set(sys.modules) - before
+        name
+        for name in set(sys.modules) - before
         if name.startswith("megatron.") and getattr(sys.modules[name], "HAVE_TE", False) is True
     )
     assert not fooled, f"Megatron-Core modules saw the transformer_engine stand-in: {fooled}"
@@ -153,17 +168,37 @@ def _cuda_tensors_on_cpu():
 def _args(ckpt_dir, fsdp_dtensor=False, data_parallel_random_init=False, no_load_rng=False):
     """The fields of ms-swift's ``MegatronArguments`` these functions read, at ms-swift's defaults."""
     return argparse.Namespace(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1, expert_model_parallel_size=EP, expert_tensor_parallel_size=1,
-        ddp_backend="gloo", ddp_timeout=18000000, seed=SEED, te_rng_tracker=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        expert_model_parallel_size=EP,
+        expert_tensor_parallel_size=1,
+        ddp_backend="gloo",
+        ddp_timeout=18000000,
+        seed=SEED,
+        te_rng_tracker=False,
         data_parallel_random_init=data_parallel_random_init,
         model_info=types.SimpleNamespace(is_moe_model=True),
-        output_dir=ckpt_dir, mcore_model=ckpt_dir, async_save=False,
-        use_megatron_fsdp=fsdp_dtensor, strict_fsdp_dtensor_load=True, num_experts=EP, swiglu=False,
-        dist_ckpt_save_pre_mcore_014=False, dist_ckpt_optim_fully_reshardable=False,
+        output_dir=ckpt_dir,
+        mcore_model=ckpt_dir,
+        async_save=False,
+        use_megatron_fsdp=fsdp_dtensor,
+        strict_fsdp_dtensor_load=True,
+        num_experts=EP,
+        swiglu=False,
+        dist_ckpt_save_pre_mcore_014=False,
+        dist_ckpt_optim_fully_reshardable=False,
         distrib_optim_fully_reshardable_mem_efficient=False,
-        no_save_optim=True, no_load_optim=True, no_save_rng=False, no_load_rng=no_load_rng,
-        finetune=False, tuner_type="full", use_distributed_optimizer=False, fp16=False, bf16=False,
+        no_save_optim=True,
+        no_load_optim=True,
+        no_save_rng=False,
+        no_load_rng=no_load_rng,
+        finetune=False,
+        tuner_type="full",
+        use_distributed_optimizer=False,
+        fp16=False,
+        bf16=False,
     )
 
 
@@ -173,8 +208,14 @@ def _model():
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=EP, moe_router_topk=2,
-        expert_model_parallel_size=EP, use_cpu_initialization=True, params_dtype=torch.float32,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=EP,
+        moe_router_topk=2,
+        expert_model_parallel_size=EP,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
     )
     torch.manual_seed(SEED)  # replicated (non-expert) weights equal on every rank, as after a real init
     return GPTModel(
@@ -209,7 +250,9 @@ def _seed_and_consume(m, args, stand_in, seed):
 
 def _saved_layout(m, args):
     """The RNG object ms-swift's ``_get_rng_state`` (with or without the fix) describes."""
-    obj = m._get_rng_state(fsdp_dtensor=args.use_megatron_fsdp, data_parallel_random_init=args.data_parallel_random_init)
+    obj = m._get_rng_state(
+        fsdp_dtensor=args.use_megatron_fsdp, data_parallel_random_init=args.data_parallel_random_init
+    )
     if isinstance(obj, dict):  # fsdp_dtensor: a plain dict, keyed by its layout
         return sorted(obj)
     return list(obj.global_shape), list(obj.global_offset), obj.replica_id
@@ -250,7 +293,9 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip("cpu")
     with CudaRngStandIn() as stand_in, rt.running():
-        m, args, model = _setup(ckpt_dir, fsdp_dtensor=fsdp_dtensor, data_parallel_random_init=data_parallel_random_init)
+        m, args, model = _setup(
+            ckpt_dir, fsdp_dtensor=fsdp_dtensor, data_parallel_random_init=data_parallel_random_init
+        )
         saved = _save(m, args, model, stand_in, rt, patched)
         saved_model = _model_tensors(model)
         _scramble(model)
@@ -260,14 +305,19 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data
     return rt.result
 
 
-def load_only(rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data_parallel_random_init=False, no_load_rng=False):
+def load_only(
+    rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data_parallel_random_init=False, no_load_rng=False
+):
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state raised meanwhile)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
     rt = _round_trip("cpu")
     with CudaRngStandIn() as stand_in, rt.running():
         m, args, model = _setup(
-            ckpt_dir, fsdp_dtensor=fsdp_dtensor, data_parallel_random_init=data_parallel_random_init, no_load_rng=no_load_rng
+            ckpt_dir,
+            fsdp_dtensor=fsdp_dtensor,
+            data_parallel_random_init=data_parallel_random_init,
+            no_load_rng=no_load_rng,
         )
         rt.phase("precondition")
         rt["fix_state"] = fix_states(FIX_ID, (MODULE,), patched)

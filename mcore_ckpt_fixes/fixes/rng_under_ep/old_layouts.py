@@ -40,7 +40,7 @@ def stored_rng_shards(checkpoint_dir, key):
     for name in reader.read_metadata().state_dict_metadata:
         if not name.startswith(prefix):
             continue
-        offset, _, shape = name[len(prefix):].partition("_")
+        offset, _, shape = name[len(prefix) :].partition("_")
         try:
             shards.append((tuple(map(int, offset.split("."))), tuple(map(int, shape.split(".")))))
         except ValueError:

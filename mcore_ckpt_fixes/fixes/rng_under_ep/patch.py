@@ -151,8 +151,12 @@ def _tell_old_layout(text, template, args, result):
 
         copy = result[0].get("rng_state") if isinstance(result, tuple) and isinstance(result[0], dict) else None
         own = restores_own_copy(
-            template.global_offset[2], copy, bool(getattr(args, "data_parallel_random_init", False)),
-            mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_context_parallel_world_size(),
+            template.global_offset[2],
+            copy,
+            bool(getattr(args, "data_parallel_random_init", False)),
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
         )
     except Exception:  # groups not from parallel_state (or not initialised): cannot tell, so warn
         own = False
@@ -255,7 +259,9 @@ def _probe_once(module, dp_rank):
 def probe(module: types.ModuleType):
     if not hasattr(module, "get_rng_state") or not hasattr(module, "_load_global_dist_base_checkpoint"):
         return None, f"{MODULE} has no get_rng_state / _load_global_dist_base_checkpoint"
-    return torch_dist_verdict(_probe_once(module, 0), _probe_once(module, 1), "get_rng_state", "get_rng_state('torch_dist', ...)")
+    return torch_dist_verdict(
+        _probe_once(module, 0), _probe_once(module, 1), "get_rng_state", "get_rng_state('torch_dist', ...)"
+    )
 
 
 def torch_dist_verdict(first, second, who, call):
@@ -289,4 +295,3 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
         # Read through the module: revert points globals that hold a replacement back at the
         # original everywhere except in the module that defines it.
         patcher.replace(module, "default_planner", fsdp_dtensor.DEFAULT_PLANNER)
-

@@ -152,18 +152,54 @@ def prepare() -> None:
 def _argv(ckpt_dir, data_parallel_random_init=False, no_load_rng=False):
     argv = [
         "mcore-ckpt-fixes-rng-under-ep",
-        "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-        "--seq-length", "8", "--max-position-embeddings", "8",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--max-position-embeddings",
+        "8",
         # One micro-batch per data-parallel rank (every rank is one).
-        "--micro-batch-size", "1", "--global-batch-size", str(dist.get_world_size()),
-        "--num-experts", str(EP), "--expert-model-parallel-size", str(EP),
-        "--use-cpu-initialization", "--ckpt-format", "torch_dist",
-        "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-        "--save", ckpt_dir, "--load", ckpt_dir, "--save-interval", "1",
-        "--no-save-optim", "--no-load-optim",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "32",
-        "--lr", "0.1", "--train-iters", "1", "--seed", str(SEED),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(dist.get_world_size()),
+        "--num-experts",
+        str(EP),
+        "--expert-model-parallel-size",
+        str(EP),
+        "--use-cpu-initialization",
+        "--ckpt-format",
+        "torch_dist",
+        "--transformer-impl",
+        "local",
+        "--no-persist-layer-norm",
+        "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-rope-fusion",
+        "--save",
+        ckpt_dir,
+        "--load",
+        ckpt_dir,
+        "--save-interval",
+        "1",
+        "--no-save-optim",
+        "--no-load-optim",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "32",
+        "--lr",
+        "0.1",
+        "--train-iters",
+        "1",
+        "--seed",
+        str(SEED),
     ]
     if data_parallel_random_init:
         argv.append("--data-parallel-random-init")
@@ -359,7 +395,10 @@ def _round_trip(device):
     Its error policy covers ``SystemExit`` too: load_checkpoint exits on an unreadable RNG state."""
     rt = RoundTrip(
         device="cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}",
-        saved=None, loaded=None, warnings=[], layout=None,
+        saved=None,
+        loaded=None,
+        warnings=[],
+        layout=None,
     )
     rt.phase("setup")
     return rt
@@ -405,8 +444,9 @@ def _teardown():
 # -- scenarios --------------------------------------------------------------------------------------
 
 
-def ep2_round_trip(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False,
-                   ckpt_format="torch_dist"):
+def ep2_round_trip(
+    rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False, ckpt_format="torch_dist"
+):
     """save_checkpoint, new RNG states everywhere, load_checkpoint: every rank's RNG states (and its
     model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
@@ -442,8 +482,9 @@ def ep2_fsdp_dtensor(rank, world_size, ckpt_dir, patched, device="cpu"):
     return ep2_round_trip(rank, world_size, ckpt_dir, patched, device, ckpt_format="fsdp_dtensor")
 
 
-def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False,
-              ckpt_format="torch_dist"):
+def save_only(
+    rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_random_init=False, ckpt_format="torch_dist"
+):
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
     assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"
     rt = _round_trip(device)
@@ -455,8 +496,16 @@ def save_only(rank, world_size, ckpt_dir, patched, device="cpu", data_parallel_r
     return rt.result
 
 
-def load_only(rank, world_size, ckpt_dir, patched, device="cpu", no_load_rng=False, data_parallel_random_init=False,
-              ckpt_format="torch_dist"):
+def load_only(
+    rank,
+    world_size,
+    ckpt_dir,
+    patched,
+    device="cpu",
+    no_load_rng=False,
+    data_parallel_random_init=False,
+    ckpt_format="torch_dist",
+):
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
     assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"

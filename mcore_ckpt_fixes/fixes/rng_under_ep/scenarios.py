@@ -9,8 +9,14 @@ _RNG = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
 # Unpatched: the round trip completes and EP rank 1 restores EP rank 0's RNG states.
 SCENARIOS = (
     Scenario(
-        ID, "ep2_round_trip", f"{_RNG}:ep2_round_trip", 2, Bug.wrong_values(),
-        prepare=f"{_RNG}:prepare", timeout=180, requires=("megatron.training.checkpointing:get_rng_state",),
+        ID,
+        "ep2_round_trip",
+        f"{_RNG}:ep2_round_trip",
+        2,
+        Bug.wrong_values(),
+        prepare=f"{_RNG}:prepare",
+        timeout=180,
+        requires=("megatron.training.checkpointing:get_rng_state",),
         doc="Megatron's save_checkpoint / load_checkpoint, torch_dist, EP=2 GPTModel: every rank's RNG states",
     ),
 )

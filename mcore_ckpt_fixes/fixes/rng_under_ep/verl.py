@@ -247,8 +247,10 @@ def probe(module: types.ModuleType):
     if cls is None or not all(hasattr(cls, n) for n in needed) or not hasattr(module, "load_dist_checkpointing"):
         return None, f"{MODULE} has no {CLASS}.get_rng_state / load_rng_states / load_dist_checkpointing"
     verdict, why = torch_dist_verdict(
-        _probe_once(module, cls, 0), _probe_once(module, cls, 1),
-        f"verl's {CLASS}.get_rng_state", f"{CLASS}.get_rng_state(use_dist_ckpt=True)",
+        _probe_once(module, cls, 0),
+        _probe_once(module, cls, 1),
+        f"verl's {CLASS}.get_rng_state",
+        f"{CLASS}.get_rng_state(use_dist_ckpt=True)",
     )
     return verdict, (f"{why} (its Megatron-FSDP entry is keyed by (pp, tp) too)" if verdict else why)
 

@@ -84,8 +84,17 @@ def _bridge_stand_in():
             dist.barrier()
         return result
 
-    def load_fsdp_dtensor_checkpoint(load_dir, ckpt_cfg, rank0, sharded_state_dict, iteration, release=False,
-                                     checkpoint_path_override=None, checkpointing_context=None, cfg=None):
+    def load_fsdp_dtensor_checkpoint(
+        load_dir,
+        ckpt_cfg,
+        rank0,
+        sharded_state_dict,
+        iteration,
+        release=False,
+        checkpoint_path_override=None,
+        checkpointing_context=None,
+        cfg=None,
+    ):
         name = checkpoint_path_override if checkpoint_path_override is not None else load_dir
         if rank0:
             return {}, name, release, "fsdp_dtensor"
@@ -154,8 +163,9 @@ def _setup(use_megatron_fsdp):
         config=OmegaConf.create({"model": {"path": "unused-by-this-round-trip"}}),
         checkpoint_config=OmegaConf.create({"save_contents": contents, "load_contents": contents, "async_save": False}),
         model_config=None,
-        transformer_config=types.SimpleNamespace(num_layers=1, hidden_size=16, num_moe_experts=EP,
-                                                 expert_model_parallel_size=EP),
+        transformer_config=types.SimpleNamespace(
+            num_layers=1, hidden_size=16, num_moe_experts=EP, expert_model_parallel_size=EP
+        ),
         role="actor",
         model=torch.nn.ModuleList([_FsdpModelStandIn()]),
         arch="RngUnderEpRoundTrip",

@@ -39,7 +39,7 @@ FIX = Fix(
     summary="models built with explicit process groups (pg_collection) can build their sharded state dict",
     affected=">=0.16.0,<0.19.0",
     upstream=(
-        "NVIDIA/Megatron-LM#5486 (\"Thread process groups through training checkpoint paths\": stores module-local "
+        'NVIDIA/Megatron-LM#5486 ("Thread process groups through training checkpoint paths": stores module-local '
         "TP groups on RADIO and SSM modules); fixed in the 0.19.0 wheel (mamba_layer.py, mamba_mixer.py, radio.py)",
     ),
     targets=(

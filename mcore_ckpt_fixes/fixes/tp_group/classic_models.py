@@ -24,7 +24,17 @@ def _describe(sd):
     out = []
     for v in nested_values(sd):
         if isinstance(v, ShardedTensor):
-            out.append(("T", v.key, tuple(v.global_shape), tuple(v.global_offset), tuple(v.axis_fragmentations), repr(v.replica_id), tuple(v.local_shape)))
+            out.append(
+                (
+                    "T",
+                    v.key,
+                    tuple(v.global_shape),
+                    tuple(v.global_offset),
+                    tuple(v.axis_fragmentations),
+                    repr(v.replica_id),
+                    tuple(v.local_shape),
+                )
+            )
         elif isinstance(v, ShardedObject):
             out.append(("O", v.key, tuple(v.global_shape), tuple(v.global_offset), repr(v.replica_id)))
     return sorted(out)

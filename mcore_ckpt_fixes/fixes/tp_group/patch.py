@@ -16,9 +16,7 @@ from . import ID, LAYER, MIXER, RADIO
 _MIXER_GROUPS = contextvars.ContextVar(  # (tp_group, dp_cp_group) or None
     "mcore_ckpt_fixes_tp_group_mixer", default=None
 )
-_RADIO_TP_GROUP = contextvars.ContextVar(
-    "mcore_ckpt_fixes_tp_group_radio", default=None
-)
+_RADIO_TP_GROUP = contextvars.ContextVar("mcore_ckpt_fixes_tp_group_radio", default=None)
 
 _SIGNATURES: dict = {}
 
@@ -65,9 +63,7 @@ def mamba_mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata
     dp_cp = metadata.get("dp_cp_group") if isinstance(metadata, dict) else None
     token = _MIXER_GROUPS.set((getattr(self, "tp_group", None), dp_cp))
     try:
-        return original(_cls(MIXER, "MambaMixer"), "sharded_state_dict")(
-            self, prefix, sharded_offsets, metadata
-        )
+        return original(_cls(MIXER, "MambaMixer"), "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
     finally:
         _MIXER_GROUPS.reset(token)
 

@@ -280,5 +280,7 @@ def explicit_group_checkpointing():
 
     if "dp_cp_group" in utils.make_sharded_tensors_for_checkpoint.__code__.co_varnames:
         return None
-    return ("make_sharded_tensors_for_checkpoint takes no process groups in this release: models built from "
-            "explicit process groups cannot be checkpointed here at all (tp-group fixes 0.16-0.18)")
+    return (
+        "make_sharded_tensors_for_checkpoint takes no process groups in this release: models built from "
+        "explicit process groups cannot be checkpointed here at all (tp-group fixes 0.16-0.18)"
+    )
