@@ -13,6 +13,7 @@ so the parent kills the whole world at the deadline and reports which ranks neve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -83,6 +84,9 @@ def run_world(
             pid = os.fork()
             if pid == 0:  # child: never returns into the caller's stack (pytest's, say)
                 code = 1
+                # A process group of its own: what the rank starts (Megatron's checkpoint-writer
+                # manager and writer processes) goes with it when the parent kills the group.
+                os.setpgid(0, 0)
                 try:
                     code = run_rank(job, rank, result_paths[rank])
                 finally:
@@ -96,6 +100,8 @@ def run_world(
                     except Exception:
                         pass
                     os._exit(code)
+            with contextlib.suppress(OSError):  # also from here: no window where the group is unset
+                os.setpgid(pid, pid)
             pids.append(pid)
         alive = _wait_pids(pids, timeout)
     else:
@@ -162,8 +168,15 @@ def _wait_pids(pids: List[int], timeout: float) -> set:
         time.sleep(0.02)
     for pid in pending:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the rank and everything it started
             os.waitpid(pid, 0)
+        except OSError:
+            pass
+    for pid in pids:
+        # A rank that exited may leave processes of its group behind (a manager server of a rank
+        # killed mid-save, say); they would keep the caller's stdout open and outlive the world.
+        try:
+            os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
     return set(pending.values())
