@@ -98,11 +98,11 @@ def _fork_checkpoint_results_queue() -> None:
     fork's cost. Releases without the function (or without its ``mp_mode``) are left as they are."""
     import inspect
 
-    try:
-        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
-    except ImportError:
-        return
-    if "mp_mode" in inspect.signature(get_write_results_queue).parameters:
+    # Only where the parent imported it already (forked ranks): a spawned rank must not import
+    # Megatron before its scenario does (what is imported first is what some scenarios check).
+    module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    get_write_results_queue = getattr(module, "get_write_results_queue", None)
+    if get_write_results_queue is not None and "mp_mode" in inspect.signature(get_write_results_queue).parameters:
         get_write_results_queue(mp_mode="fork")
 
 
