@@ -88,22 +88,27 @@ def _run_rank(job: dict, rank: int, result_path: str) -> int:
 
 
 def _fork_checkpoint_results_queue() -> None:
-    """Create this rank's checkpoint-writer results queue with a forked manager process.
+    """Have this rank create Megatron's checkpoint-writer results queue with a forked manager.
 
     Megatron's synchronous torch_dist save hands its write results back through a
     ``multiprocessing`` manager queue that it creates on first use in ``spawn`` mode: a fresh
     interpreter per rank that imports torch, 5-10 s of every saving world on a small CPU host.
     Megatron's own persistent async worker creates the same per-process queue in ``fork`` mode
-    (``megatron.training.async_utils``); doing that here, in the rank, gives the same queue at a
-    fork's cost. Releases without the function (or without its ``mp_mode``) are left as they are."""
+    (``megatron.training.async_utils``). Here the first save asks for ``fork`` by default, in this
+    rank only; a world that never saves starts no manager. Only where the parent imported the
+    writer already (forked ranks): a spawned rank must not import Megatron before its scenario does.
+    Releases without the function (or without its ``mp_mode``) are left as they are."""
     import inspect
 
-    # Only where the parent imported it already (forked ranks): a spawned rank must not import
-    # Megatron before its scenario does (what is imported first is what some scenarios check).
     module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    get_write_results_queue = getattr(module, "get_write_results_queue", None)
-    if get_write_results_queue is not None and "mp_mode" in inspect.signature(get_write_results_queue).parameters:
-        get_write_results_queue(mp_mode="fork")
+    original = getattr(module, "get_write_results_queue", None)
+    if original is None or "mp_mode" not in inspect.signature(original).parameters:
+        return
+
+    def get_write_results_queue(mp_mode="fork"):
+        return original(mp_mode=mp_mode)
+
+    module.get_write_results_queue = get_write_results_queue
 
 
 def main(argv=None) -> int:
