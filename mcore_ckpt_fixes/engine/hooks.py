@@ -35,13 +35,23 @@ def when_settled(callback) -> None:
         _SETTLED.append(callback)
 
 
-# Module name -> (the module, the modules whose bodies were running when it started executing: the
-# import chain that brought it in). With sys.modules' order this bounds which modules can bind its
-# functions by name (engine/bindings.py): those that started after it, and that chain.
+# Module name -> (the module, the last module that had finished importing when it started, the
+# modules whose bodies were running then: the import chain that brought it in). importlib moves a
+# module to the end of sys.modules when its body has run, so every module that ran after that
+# moment sits after that last one: with the chain, these are the modules that can bind its functions
+# by name (engine/bindings.py).
 _IMPORTERS = {}
 
 
+def finished(module) -> bool:
+    """Has the module's body run to its end? Not while importlib runs it, and never for the script
+    (``__main__``), whose body runs for as long as the job."""
+    spec = getattr(module, "__spec__", None)
+    return getattr(module, "__name__", None) != "__main__" and not getattr(spec, "_initializing", False)
+
+
 def _record_importers(module) -> None:
+    last = next((m for m in reversed(list(sys.modules.values())) if m is not module and finished(m)), None)
     chain, frame = [], sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
@@ -49,11 +59,12 @@ def _record_importers(module) -> None:
             if importer is not None and getattr(importer, "__dict__", None) is frame.f_globals:
                 chain.append(importer)
         frame = frame.f_back
-    _IMPORTERS[module.__name__] = (module, chain)
+    _IMPORTERS[module.__name__] = (module, last, chain)
 
 
 def importers(name):
-    """(module, its import chain) for a tracked module imported since this package was, or None."""
+    """(module, the last module finished before it started, its import chain) for a module whose
+    loader these hooks wrapped (Megatron's, the targets'), or None."""
     return _IMPORTERS.get(name)
 
 
