@@ -9,8 +9,9 @@ than all the fixes' probes together. Two things keep it small:
   this package), only the modules that can have bound the function by name are looked at: those
   whose bodies ran after its module started (importlib moves a module to the end of ``sys.modules``
   once its body has run, so they all sit after the last module that had finished by then, which
-  the hooks record), the import chain that brought its module in, and modules still executing
-  (``__main__``). Any other module had finished importing before the function existed.
+  the hooks record), the import chain that brought its module in, the modules whose bodies are
+  running at the lookup (found on the call stack) and ``__main__``. Any other module had finished
+  importing before the function existed.
 * Each namespace is walked once and what it binds from other modules is remembered, as an index
   ``id(function) -> {(module, name)}``; it is walked again only when its size changes or while its
   module is still executing (``__spec__._initializing``, set by importlib while the body runs). A
@@ -28,22 +29,21 @@ from __future__ import annotations
 import sys
 import types
 
-from .hooks import finished, importers
+from .hooks import finished, importers, running_modules
 
 _WHERE = {}  # id(function) -> {(id(module), name)} seen holding it (checked again on use)
 _MODULES = {}  # id(module) -> module, for the ids above (held: their ids stay theirs)
 _TRUSTED = {}  # id(module) -> (namespace, its size when walked), for modules whose body had run
-# sys.modules as last looked at: its size and last module (a module imported or removed since
-# changes one of them), each module's position, the modules under each ``__name__``, and the
-# namespaces walked on every lookup.
-_SEEN = {"size": -1, "last": None, "position": {}, "named": {}, "unsettled": [], "modules": []}
+# sys.modules as last looked at: its size and last module (a module imported, finished or removed
+# since changes one of them), its modules in order and each one's position.
+_SEEN = {"size": -1, "last": None, "position": {}, "modules": []}
 
 
 def forget() -> None:
     _WHERE.clear()
     _MODULES.clear()
     _TRUSTED.clear()
-    _SEEN.update(size=-1, last=None, position={}, named={}, unsettled=[], modules=[])
+    _SEEN.update(size=-1, last=None, position={}, modules=[])
 
 
 def _walk(module, namespace) -> None:
@@ -70,18 +70,13 @@ def _refresh() -> list:
     if 0 < size < len(modules) and modules[size - 1] is last:
         new = modules[size:]  # only imported since: the order before is as it was
     else:
-        _SEEN.update(position={}, named={}, unsettled=[], modules=[])
+        _SEEN.update(position={}, modules=[])
         new = modules
-    position, named, unsettled, listed = _SEEN["position"], _SEEN["named"], _SEEN["unsettled"], _SEEN["modules"]
+    position, listed = _SEEN["position"], _SEEN["modules"]
     for module in new:
-        namespace = getattr(module, "__dict__", None) if module is not None else None
-        if not isinstance(namespace, dict):
-            continue
-        position[id(module)] = len(listed)
-        listed.append(module)
-        named.setdefault(namespace.get("__name__"), []).append(id(module))
-        if not finished(module):
-            unsettled.append(module)
+        if isinstance(getattr(module, "__dict__", None), dict):
+            position[id(module)] = len(listed)
+            listed.append(module)
     _SEEN.update(size=len(modules), last=modules[-1] if modules else None)
     return listed
 
@@ -90,12 +85,14 @@ def _candidates(function, modules):
     """The modules that can bind ``function`` by name: every one, unless the import hooks saw its
     module imported; then the ones whose bodies ran after its module started (those after the last
     module that had finished by then: importlib puts a module last once its body has run), the
-    import chain that brought its module in, and the ones still executing (``__main__``)."""
+    import chain that brought its module in, the ones whose bodies are running now (the imports in
+    progress) and ``__main__``."""
     seen = importers(getattr(function, "__module__", None))
     if seen is None or id(seen[0]) not in _SEEN["position"]:
         return modules
     start = _SEEN["position"].get(id(seen[1]), -1) + 1 if seen[1] is not None else 0
-    return [*seen[2], *_SEEN["unsettled"], *modules[start:]]
+    script = [sys.modules["__main__"]] if "__main__" in sys.modules else []
+    return [*seen[2], *script, *running_modules(sys._getframe(1)), *modules[start:]]
 
 
 def holders(function):
@@ -115,9 +112,10 @@ def holders(function):
         for key, name in _WHERE.get(id(function), ())
         if key in position and vars(_MODULES[key]).get(name) is function
     }
-    for key in _SEEN["named"].get(function.__module__, ()):  # where it is defined (not indexed)
-        namespace = vars(_MODULES[key])
-        found.update((position[key], name, key) for name, value in list(namespace.items()) if value is function)
+    home = sys.modules.get(getattr(function, "__module__", None))
+    if home is not None and id(home) in position:  # where it is defined (its own functions: not indexed)
+        found.update((position[id(home)], name, id(home)) for name, value in list(vars(home).items()) if value is function)
+        _MODULES[id(home)] = home
     return [(_MODULES[key], name) for _, name, key in sorted(found)]
 
 

@@ -50,16 +50,27 @@ def finished(module) -> bool:
     return getattr(module, "__name__", None) != "__main__" and not getattr(spec, "_initializing", False)
 
 
-def _record_importers(module) -> None:
-    last = next((m for m in reversed(list(sys.modules.values())) if m is not module and finished(m)), None)
-    chain, frame = [], sys._getframe(2)
+def running_modules(frame):
+    """The modules whose bodies are running in ``frame`` and the frames that called it."""
+    running = []
     while frame is not None:
         if frame.f_code.co_name == "<module>":
-            importer = sys.modules.get(frame.f_globals.get("__name__"))
-            if importer is not None and getattr(importer, "__dict__", None) is frame.f_globals:
-                chain.append(importer)
+            module = sys.modules.get(frame.f_globals.get("__name__"))
+            if module is not None and getattr(module, "__dict__", None) is frame.f_globals:
+                running.append(module)
         frame = frame.f_back
-    _IMPORTERS[module.__name__] = (module, last, chain)
+    return running
+
+
+def _last_finished(module):
+    try:  # from the end, without copying sys.modules (a few steps: past the running modules)
+        return next((m for m in reversed(sys.modules.values()) if m is not module and finished(m)), None)
+    except RuntimeError:  # another thread imported meanwhile
+        return next((m for m in reversed(list(sys.modules.values())) if m is not module and finished(m)), None)
+
+
+def _record_importers(module) -> None:
+    _IMPORTERS[module.__name__] = (module, _last_finished(module), running_modules(sys._getframe(2)))
 
 
 def importers(name):
