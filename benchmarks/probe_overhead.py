@@ -27,11 +27,12 @@ Measured on Megatron-Core 0.19.2 (Python 3.12, CPU-only torch 2.x, 2 cores share
 10 target modules, all seven fixes decided, five applied):
 
     before (every probe and rebind as in 0.1.0): apply 0.290 s / imports 7.485 s CPU = 3.9 %  (8 rounds)
-    now:                                         apply 0.056 s / imports 6.744 s CPU = 0.8 %  (6 rounds)
+    now:                                         apply 0.091 s / imports 7.871 s CPU = 1.2 %  (6 rounds)
 
 printed_by_probes and written_by_probes empty now; before, the mimo-optimizer probe's DCP checkpoint
 (mkdir, .distcp, .metadata, metadata.json, common.pt) and its two library lines. The on/off
 ratio on that machine moved between -5 % and +11 % from one run to the next: noise, not a measure.
+(The "now" run shared the machine with a test run: CPU time, not wall time, for that reason.)
 
     PYTHONPATH=$E/mcore-0.19.2:. $E/py3.12/bin/python benchmarks/probe_overhead.py [--rounds 15]
 """

@@ -6,11 +6,12 @@ original, by identity. A process that imported torch and Megatron-Core has ~3,30
 than all the fixes' probes together. Two things keep it small:
 
 * Where the import hooks saw the function's module imported (every Megatron module imported after
-  this package), only the modules that can have bound the function by name are looked at: those that
-  started importing after its module (``sys.modules`` keeps that order), the import chain that
-  brought its module in (recorded by the hooks), and modules still executing or without a spec
-  (``__main__`` of a script, modules made by hand). Any other module had finished importing before
-  the function existed.
+  this package), only the modules that can have bound the function by name are looked at: those
+  whose bodies ran after its module started (importlib moves a module to the end of ``sys.modules``
+  once its body has run, so they all sit after the last module that had finished by then, which
+  the hooks record), the import chain that brought its module in, the modules whose bodies are
+  running at the lookup (found on the call stack) and ``__main__``. Any other module had finished
+  importing before the function existed.
 * Each namespace is walked once and what it binds from other modules is remembered, as an index
   ``id(function) -> {(module, name)}``; it is walked again only when its size changes or while its
   module is still executing (``__spec__._initializing``, set by importlib while the body runs). A
@@ -28,28 +29,21 @@ from __future__ import annotations
 import sys
 import types
 
+from .hooks import finished, importers, running_modules
+
 _WHERE = {}  # id(function) -> {(id(module), name)} seen holding it (checked again on use)
 _MODULES = {}  # id(module) -> module, for the ids above (held: their ids stay theirs)
-_TRUSTED = {}  # id(module) -> (namespace, its size when walked), for modules that had finished importing
-# sys.modules as last looked at: its size and last module (a module imported or removed since
-# changes one of them), each module's position, the modules under each ``__name__``, and the
-# namespaces walked on every lookup.
-_SEEN = {"size": -1, "last": None, "position": {}, "named": {}, "unsettled": [], "modules": []}
+_TRUSTED = {}  # id(module) -> (namespace, its size when walked), for modules whose body had run
+# sys.modules as last looked at: its size and last module (a module imported, finished or removed
+# since changes one of them), its modules in order and each one's position.
+_SEEN = {"size": -1, "last": None, "position": {}, "modules": []}
 
 
 def forget() -> None:
     _WHERE.clear()
     _MODULES.clear()
     _TRUSTED.clear()
-    _SEEN.update(size=-1, last=None, position={}, named={}, unsettled=[], modules=[])
-
-
-def _settled(module) -> bool:
-    """Has the module's body finished running? Not while importlib runs it, and never for the
-    script (``__main__``), whose body runs for as long as the job."""
-    if getattr(module, "__name__", None) == "__main__":
-        return False
-    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+    _SEEN.update(size=-1, last=None, position={}, modules=[])
 
 
 def _walk(module, namespace) -> None:
@@ -61,7 +55,7 @@ def _walk(module, namespace) -> None:
     for name, value in list(namespace.items()):
         if type(value) is function and value.__module__ != own:
             _WHERE.setdefault(id(value), set()).add((key, name))
-    if _settled(module):
+    if finished(module):
         _TRUSTED[key] = (namespace, len(namespace))
     else:
         _TRUSTED.pop(key, None)
@@ -76,33 +70,29 @@ def _refresh() -> list:
     if 0 < size < len(modules) and modules[size - 1] is last:
         new = modules[size:]  # only imported since: the order before is as it was
     else:
-        _SEEN.update(position={}, named={}, unsettled=[], modules=[])
+        _SEEN.update(position={}, modules=[])
         new = modules
-    position, named, unsettled, listed = _SEEN["position"], _SEEN["named"], _SEEN["unsettled"], _SEEN["modules"]
+    position, listed = _SEEN["position"], _SEEN["modules"]
     for module in new:
-        namespace = getattr(module, "__dict__", None) if module is not None else None
-        if not isinstance(namespace, dict):
-            continue
-        position[id(module)] = len(listed)
-        listed.append(module)
-        named.setdefault(namespace.get("__name__"), []).append(id(module))
-        if not _settled(module):
-            unsettled.append(module)
+        if isinstance(getattr(module, "__dict__", None), dict):
+            position[id(module)] = len(listed)
+            listed.append(module)
     _SEEN.update(size=len(modules), last=modules[-1] if modules else None)
     return listed
 
 
 def _candidates(function, modules):
     """The modules that can bind ``function`` by name: every one, unless the import hooks saw its
-    module imported; then the ones that started importing after it, the import chain that brought it
-    in, and the ones still executing or without a spec (``__main__``)."""
-    from .hooks import importers
-
+    module imported; then the ones whose bodies ran after its module started (those after the last
+    module that had finished by then: importlib puts a module last once its body has run), the
+    import chain that brought its module in, the ones whose bodies are running now (the imports in
+    progress) and ``__main__``."""
     seen = importers(getattr(function, "__module__", None))
-    start = _SEEN["position"].get(id(seen[0])) if seen is not None else None
-    if start is None:
+    if seen is None or id(seen[0]) not in _SEEN["position"]:
         return modules
-    return [*seen[1], *_SEEN["unsettled"], *modules[start:]]
+    start = _SEEN["position"].get(id(seen[1]), -1) + 1 if seen[1] is not None else 0
+    script = [sys.modules["__main__"]] if "__main__" in sys.modules else []
+    return [*seen[2], *script, *running_modules(sys._getframe(1)), *modules[start:]]
 
 
 def holders(function):
@@ -122,10 +112,12 @@ def holders(function):
         for key, name in _WHERE.get(id(function), ())
         if key in position and vars(_MODULES[key]).get(name) is function
     }
-    for key in _SEEN["named"].get(function.__module__, ()):  # where it is defined (not indexed)
+    home = sys.modules.get(getattr(function, "__module__", None))
+    if home is not None and id(home) in position:  # where it is defined (its own functions: not indexed)
         found.update(
-            (position[key], name, key) for name, value in list(vars(_MODULES[key]).items()) if value is function
+            (position[id(home)], name, id(home)) for name, value in list(vars(home).items()) if value is function
         )
+        _MODULES[id(home)] = home
     return [(_MODULES[key], name) for _, name, key in sorted(found)]
 
 

@@ -35,25 +35,47 @@ def when_settled(callback) -> None:
         _SETTLED.append(callback)
 
 
-# Module name -> (the module, the modules whose bodies were running when it started executing: the
-# import chain that brought it in). With sys.modules' order this bounds which modules can bind its
-# functions by name (engine/bindings.py): those that started after it, and that chain.
+# Module name -> (the module, the last module that had finished importing when it started, the
+# modules whose bodies were running then: the import chain that brought it in). importlib moves a
+# module to the end of sys.modules when its body has run, so every module that ran after that
+# moment sits after that last one: with the chain, these are the modules that can bind its functions
+# by name (engine/bindings.py).
 _IMPORTERS = {}
 
 
-def _record_importers(module) -> None:
-    chain, frame = [], sys._getframe(2)
+def finished(module) -> bool:
+    """Has the module's body run to its end? Not while importlib runs it, and never for the script
+    (``__main__``), whose body runs for as long as the job."""
+    spec = getattr(module, "__spec__", None)
+    return getattr(module, "__name__", None) != "__main__" and not getattr(spec, "_initializing", False)
+
+
+def running_modules(frame):
+    """The modules whose bodies are running in ``frame`` and the frames that called it."""
+    running = []
     while frame is not None:
         if frame.f_code.co_name == "<module>":
-            importer = sys.modules.get(frame.f_globals.get("__name__"))
-            if importer is not None and getattr(importer, "__dict__", None) is frame.f_globals:
-                chain.append(importer)
+            module = sys.modules.get(frame.f_globals.get("__name__"))
+            if module is not None and getattr(module, "__dict__", None) is frame.f_globals:
+                running.append(module)
         frame = frame.f_back
-    _IMPORTERS[module.__name__] = (module, chain)
+    return running
+
+
+def _last_finished(module):
+    try:  # from the end, without copying sys.modules (a few steps: past the running modules)
+        return next((m for m in reversed(sys.modules.values()) if m is not module and finished(m)), None)
+    except RuntimeError:  # another thread imported meanwhile
+        return next((m for m in reversed(list(sys.modules.values())) if m is not module and finished(m)), None)
+
+
+def _record_importers(module) -> None:
+    _IMPORTERS[module.__name__] = (module, _last_finished(module), running_modules(sys._getframe(2)))
 
 
 def importers(name):
-    """(module, its import chain) for a tracked module imported since this package was, or None."""
+    """(module, the last module finished before it started, its import chain) for a module whose
+    loader these hooks wrapped (Megatron's, the targets'), or None."""
     return _IMPORTERS.get(name)
 
 
