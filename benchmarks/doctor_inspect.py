@@ -6,7 +6,7 @@ files of the right length (the doctor only stats them). Bytes read come from ``/
 (``rchar``: every read syscall of this process, whatever opened the file), measured around
 ``inspect()`` after the doctor is imported, in a fresh interpreter per run so that its peak RSS
 (``VmHWM``) is the doctor's own, not the builder's. Reported at 100k and 1M chunks: time, bytes
-read (goal: at most 1.1 x the metadata size) and peak RSS (issue #22's goals at 1M: under 3 s, under
+read (goal: at most 1.1 x the metadata size) and peak RSS (the goals at 1M: under 3 s, under
 1 GB; measured before it: 5.2 s, 1.78 GB; with the allow-list unpickler: 6.37 s, 1607 MiB; with the
 stream reader dcp_scan: 2.31 s, 277 MiB). ``--local-plans`` adds every rank's SavePlan as Megatron-Core's
 torch_dist save keeps it (``all_local_plans``, about twice the bytes): 1M chunks 20.7 s / 3846 MiB

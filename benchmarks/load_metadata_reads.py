@@ -1,4 +1,4 @@
-"""What a patched load reads and costs beside an unpatched one (issue #23): bytes read per rank
+"""What a patched load reads and costs beside an unpatched one: bytes read per rank
 (``/proc/self/io`` rchar) and load wall time, patched / unpatched, on a torch_dist checkpoint with
 at least 100k chunks, world 2 (gloo, CPU), two cases:
 
@@ -12,7 +12,7 @@ at least 100k chunks, world 2 (gloo, CPU), two cases:
 
 Each load runs in a fresh world (fix on or off by ``MCORE_CKPT_FIXES``), unpatched and patched
 interleaved, REPEATS times; medians per rank; ratios per rank, the worse rank reported.
-Goals (issue #23): bytes <= 1.001, time <= 1.01.
+Goals: bytes <= 1.001, time <= 1.01.
 
     PYTHONPATH=$E/mcore-0.19.2:. $E/py3.12/bin/python benchmarks/load_metadata_reads.py [TENSORS] [REPEATS]
 

@@ -1,4 +1,4 @@
-"""Hunt for a hang in the patched non-colocated MIMO save/load under CPU load (issue: one stall seen).
+"""Hunt for a hang in the patched non-colocated MIMO save/load under CPU load.
 
 Runs the registered ``mimo-optimizer/world2`` round trip (and, with ``--world4``, the 4-rank TP=2
 variant) RUNS times with the fix on, while LOAD busy-loop processes keep every core saturated.

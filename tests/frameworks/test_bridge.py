@@ -1,4 +1,4 @@
-"""rng-under-ep in Megatron-Bridge 0.6.2's own checkpointing (issue #18).
+"""rng-under-ep in Megatron-Bridge 0.6.2's own checkpointing.
 
 Real: Megatron-Bridge (installed from tools/frameworks/megatron-bridge.txt) and its own
 ``get_rng_state``, ``save_checkpoint``, ``load_checkpoint`` / ``load_fsdp_dtensor_checkpoint`` with a

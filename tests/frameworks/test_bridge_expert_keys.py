@@ -1,4 +1,4 @@
-"""expert-keys through Megatron-Bridge's own fsdp_dtensor preprocessing (issue #19, item 1).
+"""expert-keys through Megatron-Bridge's own fsdp_dtensor preprocessing.
 
 Megatron-Bridge 0.6.2 binds Megatron-Core's ``preprocess_state_dict_for_uneven_dtensor`` by name when
 ``megatron.bridge.training.checkpointing`` is imported and calls that binding from its own

@@ -1,4 +1,4 @@
-"""Standalone ``megatron-fsdp`` (PyPI) installed beside Megatron-Core (issue #19, item 3).
+"""Standalone ``megatron-fsdp`` (PyPI) installed beside Megatron-Core.
 
 ``megatron-fsdp`` 0.6.1 ships ``megatron_fsdp`` — the same code Megatron-Core 0.19.2 vendors as
 ``megatron.core.distributed.fsdp.src.megatron_fsdp`` (file for file identical). The question is

@@ -1,5 +1,5 @@
 """rng-under-ep in ms-swift 4.6.0 (``swift.megatron.utils.megatron_lm_utils``), driven through ms-swift's
-own ``initialize_megatron`` / ``save_mcore_checkpoint`` / ``load_mcore_checkpoint`` (issue #18).
+own ``initialize_megatron`` / ``save_mcore_checkpoint`` / ``load_mcore_checkpoint``.
 
 World 2, EP=2 (TP=PP=1), gloo on CPU, a small real GPTModel with one local expert per EP rank: see
 mcore_ckpt_fixes/fixes/rng_under_ep/ms_swift_round_trips.py for what each world does and the

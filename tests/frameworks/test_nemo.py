@@ -1,4 +1,4 @@
-"""NeMo's fsdp_dtensor path (issue #19, item 2).
+"""NeMo's fsdp_dtensor path.
 
 NeMo 2's ``MegatronStrategy._get_fsdp_dtensor_state_dict`` (nemo-toolkit <= 2.7,
 ``nemo.lightning.pytorch.strategies.megatron_strategy``) preprocesses fsdp_dtensor checkpoints

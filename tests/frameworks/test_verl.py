@@ -1,5 +1,5 @@
 """rng-under-ep in verl 0.9.1 (``verl.utils.checkpoint.megatron_checkpoint_manager``), driven through
-verl's own ``MegatronCheckpointManager`` (issue #18).
+verl's own ``MegatronCheckpointManager``.
 
 verl keeps its own copy of the bug (``MegatronCheckpointManager.get_rng_state``,
 verl/utils/checkpoint/megatron_checkpoint_manager.py:268-302): torch_dist ``ShardedObject("rng_state",
