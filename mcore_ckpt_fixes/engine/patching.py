@@ -108,8 +108,11 @@ class Patcher:
             if mod is not skip:
                 self.replace(mod, attr, new)
 
-    def revert(self) -> None:
-        restore = {}  # id(replacement function) -> (replacement, original), for the sweep below
+    def revert(self, sweep: bool = True) -> dict:
+        """Undo every change. Returns ``{id(replacement): (replacement, original)}`` for the
+        replacements that late imports may have bound; with ``sweep=False`` the caller sweeps once
+        for several patchers (:func:`unbind_late_imports`): a sweep walks every module's globals."""
+        restore = {}
         for rec in reversed(self.records):
             if rec.before is _MISSING:
                 try:
@@ -121,18 +124,16 @@ class Patcher:
                 if is_replacement(rec.after) and not is_replacement(rec.before):
                     restore[id(rec.after)] = (rec.after, rec.before)
         self.records.clear()
-        if restore:
-            self._unbind_late_imports(restore)
-        # Names were rebound without changing any namespace's size: the index must look again.
-        from .bindings import forget
+        if sweep:
+            unbind_late_imports(restore)
+        return restore
 
-        forget()
 
-    @staticmethod
-    def _unbind_late_imports(restore) -> None:
-        """A module imported while the fix was applied bound the replacement itself with ``from x
-        import f``: no record covers it. Point such globals back at the original too, so after
-        ``revert()`` no module calls a reverted fix."""
+def unbind_late_imports(restore) -> None:
+    """A module imported while a fix was applied bound a replacement itself with ``from x import
+    f``: no record covers it. Point such globals back at the original too, so after ``revert()`` no
+    module calls a reverted fix. ``restore``: ``{id(replacement): (replacement, original)}``."""
+    if restore:
         for mod in list(sys.modules.values()):
             namespace = getattr(mod, "__dict__", None) if mod is not None else None
             if not isinstance(namespace, dict):
@@ -142,3 +143,7 @@ class Patcher:
                 # The fix module that defines the replacement keeps it: it is the definition, not a binding.
                 if pair is not None and value is pair[0] and namespace.get("__name__") != pair[0].__module__:
                     namespace[attr] = pair[1]
+    # Names were rebound without changing any namespace's size: the index must look again.
+    from .bindings import forget
+
+    forget()

@@ -21,7 +21,7 @@ from . import logs
 from . import version as _version
 from .errors import FixRequiredError, MegatronPatchWarning
 from .fix import Fix, Target
-from .patching import Patcher
+from .patching import Patcher, unbind_late_imports
 
 FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
 # Which target state wins when a fix's targets disagree (most important first).
@@ -304,17 +304,20 @@ class _Engine:
         if logs.first_rank():
             logs.logger().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
 
-    def _revert_fix(self, fix_id: str) -> None:
+    def _revert_fix(self, fix_id: str) -> dict:
         patcher = self.patchers.pop(fix_id, None)
-        if patcher is not None:
-            patcher.revert()
+        return patcher.revert(sweep=False) if patcher is not None else {}
 
     def revert(self, fix_ids=None) -> None:
         with self.lock:
             ids = list(self.discover()) if fix_ids is None else list(fix_ids)
+            restore = {}
             for fix_id in ids:
-                self._revert_fix(fix_id)
+                restore.update(self._revert_fix(fix_id))
                 self.targets[fix_id] = {}
+            # One walk over every module's globals for all the fixes, not one per fix (a forked
+            # test or selftest rank reverts at start: this walk was most of its start-up).
+            unbind_late_imports(restore)
             if fix_ids is None:
                 self.active = False
                 self.modes = {}
