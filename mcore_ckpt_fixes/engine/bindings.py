@@ -21,7 +21,8 @@ than all the fixes' probes together. Two things keep it small:
 What this cannot see: a global reassigned, by code outside this package after its module finished
 importing, to a function it did not hold before, with no new global beside it (and, for a function
 whose module the hooks saw, such a binding in a module imported before that one).
-:func:`forget` drops the index (``revert`` rebinds names without changing sizes).
+:func:`forget` drops the index; ``revert`` rebinds names without changing sizes, so it tells the
+index what it put back (:func:`note`) instead of dropping it (a rebuild costs a second a process).
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def forget() -> None:
     _MODULES.clear()
     _TRUSTED.clear()
     _SEEN.update(size=-1, last=None, position={}, modules=[])
+
+
+def note(module, name, function) -> None:
+    """``module.name`` now holds ``function`` again (set back by ``revert``): index it, since the
+    namespace's size did not change and a walk would not look again."""
+    if type(function) is types.FunctionType and isinstance(module, types.ModuleType):
+        _MODULES[id(module)] = module
+        _WHERE.setdefault(id(function), set()).add((id(module), name))
 
 
 def _walk(module, namespace) -> None:

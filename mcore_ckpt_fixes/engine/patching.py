@@ -112,6 +112,8 @@ class Patcher:
         """Undo every change. Returns ``{id(replacement): (replacement, original)}`` for the
         replacements that late imports may have bound; with ``sweep=False`` the caller sweeps once
         for several patchers (:func:`unbind_late_imports`): a sweep walks every module's globals."""
+        from .bindings import note
+
         restore = {}
         for rec in reversed(self.records):
             if rec.before is _MISSING:
@@ -121,6 +123,7 @@ class Patcher:
                     pass
             else:
                 setattr(rec.owner, rec.name, rec.before)
+                note(rec.owner, rec.name, rec.before)
                 if is_replacement(rec.after) and not is_replacement(rec.before):
                     restore[id(rec.after)] = (rec.after, rec.before)
         self.records.clear()
@@ -133,6 +136,8 @@ def unbind_late_imports(restore) -> None:
     """A module imported while a fix was applied bound a replacement itself with ``from x import
     f``: no record covers it. Point such globals back at the original too, so after ``revert()`` no
     module calls a reverted fix. ``restore``: ``{id(replacement): (replacement, original)}``."""
+    from .bindings import note
+
     if restore:
         for mod in list(sys.modules.values()):
             namespace = getattr(mod, "__dict__", None) if mod is not None else None
@@ -143,7 +148,4 @@ def unbind_late_imports(restore) -> None:
                 # The fix module that defines the replacement keeps it: it is the definition, not a binding.
                 if pair is not None and value is pair[0] and namespace.get("__name__") != pair[0].__module__:
                     namespace[attr] = pair[1]
-    # Names were rebound without changing any namespace's size: the index must look again.
-    from .bindings import forget
-
-    forget()
+                    note(mod, attr, pair[1])

@@ -58,9 +58,11 @@ def test_holders_finds_every_binding_and_looks_only_where_one_can_be(tmp_path):
 
 
 def test_holders_after_revert_sees_names_rebound_without_new_globals(tmp_path):
-    """revert() points names back without changing any namespace's size: the index is dropped, so a
-    later rebind finds them again."""
+    """revert() points names back without changing any namespace's size, including a module imported
+    while the fix was applied (it bound the replacement itself): the index is told what revert put
+    back, so a later rebind finds every one of them again."""
     _write(tmp_path)
+    (tmp_path / "late.py").write_text("from defs import f as bound_late\n")
     out = check_py(
         textwrap.dedent(
             """
@@ -78,13 +80,17 @@ def test_holders_after_revert_sees_names_rebound_without_new_globals(tmp_path):
             patcher = Patcher("probe")
             patcher.replace_function(defs, "f", replacement)
             assert after.aliased is replacement
+            import late
+            assert late.bound_late is replacement
+            from mcore_ckpt_fixes.engine.bindings import holders
+            holders(replacement)  # another fix's lookup indexes ``late`` while it holds the replacement
             patcher.revert()
-            assert after.aliased is original and defs.f is original
+            assert after.aliased is original and defs.f is original and late.bound_late is original
             patcher = Patcher("probe")
             patcher.replace_function(defs, "f", replacement)
-            print(after.aliased is replacement)
+            print(after.aliased is replacement, late.bound_late is replacement)
             """
         ),
         env={"PYTHONPATH": str(tmp_path)},
     )
-    assert out.strip().splitlines()[-1] == "True", out
+    assert out.strip().splitlines()[-1] == "True True", out
