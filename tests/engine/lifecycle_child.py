@@ -1,4 +1,6 @@
-"""What tests/engine/test_lifecycle.py runs in fresh interpreters, one fix at a time.
+"""What tests/engine/test_lifecycle.py runs in fresh interpreters: every fix's checks, one fix at a
+time in one interpreter per import order (each fix's failure reported apart, so that one fix's
+failure is not another's).
 
 Generic over the fix: it learns what a fix changed from the engine's record of its changes, never
 from the fix's own code, so every discovered fix gets the same checks.
@@ -76,7 +78,7 @@ def megatron_first(fix_id):
     modules = import_targets(fix_id)
     before = snapshot(modules)
     # A user's module that bound every function of the target modules by name before the fix.
-    user = types.ModuleType("user_module_of_the_lifecycle_test")
+    user = types.ModuleType("user_module_of_the_lifecycle_test_" + fix_id.replace("-", "_"))
     bound = {}
     for owner, attr, value in before.values():
         if isinstance(owner, types.ModuleType) and isinstance(value, types.FunctionType):
@@ -84,7 +86,7 @@ def megatron_first(fix_id):
             setattr(user, bound[(owner.__name__, attr)], value)
     sys.modules[user.__name__] = user
 
-    import mcore_ckpt_fixes  # the environment switches this fix off
+    import mcore_ckpt_fixes  # the environment switches every fix off (or a fix checked before reverted it)
 
     assert state(fix_id) == "disabled", state(fix_id)
     assert unchanged(before) == [], ("flag off changed Megatron", unchanged(before))
@@ -150,34 +152,55 @@ def in_place(fix_id, modules):
     return sorted(found)
 
 
-def fix_first(fix_id):
-    """The fix first (nothing heavy imported), Megatron after: the hooks apply it; a spawn child
-    (as Megatron's async checkpoint writer starts) sees the same state and the same changes."""
+def fix_first(fix_ids):
+    """The fixes first (nothing heavy imported), Megatron after: the hooks apply them; a spawn child
+    (as Megatron's async checkpoint writer starts) sees the same states and the same changes."""
     import mcore_ckpt_fixes  # noqa: F401  (the import itself installs the hooks under test)
 
     assert "torch" not in sys.modules and "megatron" not in sys.modules
-    assert state(fix_id) in ("pending", "not-applicable"), state(fix_id)
+    for fix_id in fix_ids:
+        assert state(fix_id) in ("pending", "not-applicable"), (fix_id, state(fix_id))
     _stand_ins()
-    modules = import_targets(fix_id)
-    mine = {"state": state(fix_id), "modules": modules, "changed": in_place(fix_id, modules)}
+    mine = _observed(fix_ids)
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        child = pool.apply(spawn_child, (fix_id,))
-    return {"parent": mine, "spawn": child}
+        child = pool.apply(spawn_child, (fix_ids,))
+    return {fix_id: {"parent": mine[fix_id], "spawn": child[fix_id]} for fix_id in fix_ids}
 
 
-def spawn_child(fix_id):
+def _observed(fix_ids):
+    modules = {fix_id: import_targets(fix_id) for fix_id in fix_ids}
+    return {
+        fix_id: {"state": state(fix_id), "modules": modules[fix_id], "changed": in_place(fix_id, modules[fix_id])}
+        for fix_id in fix_ids
+    }
+
+
+def spawn_child(fix_ids):
     """In a spawn child: importing this module's parent package path runs nothing of ours; the
-    fix applies when the child imports mcore_ckpt_fixes and the target modules, as a worker does."""
+    fixes apply when the child imports mcore_ckpt_fixes and the target modules, as a worker does."""
     import mcore_ckpt_fixes  # noqa: F401
 
     _stand_ins()
-    modules = import_targets(fix_id)
-    return {"state": state(fix_id), "modules": modules, "changed": in_place(fix_id, modules)}
+    return _observed(fix_ids)
+
+
+def megatron_first_each(fix_ids):
+    """``megatron_first`` for each fix in turn (each reverted before the next); a failed check is
+    that fix's result, the others still run."""
+    import traceback
+
+    out = {}
+    for fix_id in fix_ids:
+        try:
+            out[fix_id] = megatron_first(fix_id)
+        except Exception:
+            out[fix_id] = {"error": traceback.format_exc()}
+    return out
 
 
 if __name__ == "__main__":
-    mode, fix_id = sys.argv[1:3]
-    out = megatron_first(fix_id) if mode == "megatron-first" else fix_first(fix_id)
+    mode, fix_ids = sys.argv[1], sys.argv[2].split(",")
+    out = megatron_first_each(fix_ids) if mode == "megatron-first" else fix_first(fix_ids)
     print("RESULT " + json.dumps(out))
