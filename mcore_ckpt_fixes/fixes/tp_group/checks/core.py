@@ -26,9 +26,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip
-from ...testing.standins import install_mamba_ssm_stand_in
-from ...testing.states import fix_states
+from ....testing.result import RoundTrip
+from ....testing.standins import install_mamba_ssm_stand_in
+from ....testing.states import fix_states
 
 TP = 2
 HIDDEN = 64

@@ -1,6 +1,6 @@
 """tp-group's monkeypatch: wrappers that store the groups where upstream 0.19 does, the probes, apply.
 
-See the package docstring for the bug; :mod:`.upstream` for the same change as source edits.
+See the package docstring for the bug; ``diff/core.py`` for the same change as source edits.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import contextvars
 import sys
 import types
 
-from ...engine.patching import Patcher, mark, original
-from . import ID, LAYER, MIXER, RADIO
+from ....engine.patching import Patcher, mark, original
+from .. import ID, LAYER, MIXER, RADIO
 
 # Groups of the MambaMixer / RADIOViTModel currently inside the patched call (None outside).
 _MIXER_GROUPS = contextvars.ContextVar(  # (tp_group, dp_cp_group) or None

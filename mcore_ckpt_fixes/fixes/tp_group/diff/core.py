@@ -3,7 +3,7 @@
 Upstream's own shape of the fix (what 0.19 does): ``MambaLayer`` and ``RADIOViTModel`` keep
 ``pg_collection.tp`` as ``self.tp_group``, ``MambaMixer`` hands its group to its gated norm and
 passes ``tp_group`` / ``dp_cp_group`` to ``make_sharded_tensors_for_checkpoint``, and RADIO builds
-its patch embedder over the model's TP group. The monkeypatch (:mod:`.patch`) has the same effect
+its patch embedder over the model's TP group. The monkeypatch (``runtime/core.py``) has the same effect
 from outside the classes; tests/patches checks that the patched source satisfies every probe of
 this fix and round-trips with the monkeypatch off, so the two cannot drift apart silently.
 
@@ -12,7 +12,7 @@ this fix and round-trips with the monkeypatch off, so the two cannot drift apart
 
 from __future__ import annotations
 
-from ...sourcediff import Replace
+from ....sourcediff import Replace
 
 # Each anchor must occur exactly once; ``{indent}`` edits (RADIO's embedder arguments, whose
 # indentation differs between releases) apply at every occurrence.

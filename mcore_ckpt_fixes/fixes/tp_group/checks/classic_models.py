@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta, worst
-from . import round_trips as explicit
+from ....testing.compare import max_abs_delta, worst
+from . import core as explicit
 
 
 def _describe(sd):

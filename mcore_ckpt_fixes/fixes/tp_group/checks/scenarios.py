@@ -6,9 +6,9 @@ call passes tp_group=None through and the dp-cp lookup asserts first; in a stack
 MegatronModule's sharded_state_dict asks parallel_state for the TP group before that.
 """
 
-from ...testing.registry import Bug, Scenario
+from ....testing.registry import Bug, Scenario
 
-_RT = f"{__package__}.round_trips"
+_RT = f"{__package__}.core"
 TP_GROUP_NOT_INIT = "AssertionError: tensor model parallel group is not initialized"
 DP_CP_NOT_INIT = "AssertionError: data parallel group with context parallel combined is not initialized"
 # 0.12-0.15 models take no ProcessGroupCollection: nothing to build with explicit groups there.
