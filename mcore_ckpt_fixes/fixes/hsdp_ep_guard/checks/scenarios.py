@@ -7,10 +7,10 @@ without it, 0.16 places the experts on the dense mesh, which the scenario report
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
-from . import ID, MODULE
+from ....testing.registry import Bug, Scenario
+from .. import ID, MODULE
 
-_HG = f"{__package__}.round_trips"
+_HG = f"{__package__}.core"
 # What the scenario's placement check says when a configuration's expert parameters got the dense mesh.
 DENSE_MESH = "expert parameters are sharded on the dense data-parallel mesh, not over their expert-data-parallel ranks"
 DENSE_MESH_BUG = Bug.raises("placement", f"AssertionError: hsdp_ep2: {DENSE_MESH}")

@@ -8,7 +8,7 @@ Configurations, in this order (each with ``parallel_state.initialize_model_paral
 * ``hsdp_ep2``: EP=2 and HSDP. 0.16 builds no expert mesh: the scenario finds the expert
   parameters placed on the dense data-parallel mesh (the documented bug, reported as an
   ``AssertionError`` in phase ``placement``); with the guard, set-up refuses with
-  :func:`mcore_ckpt_fixes.fixes.hsdp_ep_guard.upstream.refusal` (exactly that line: the expected outcome, not
+  :func:`mcore_ckpt_fixes.fixes.hsdp_ep_guard.runtime.core.refusal` (exactly that line: the expected outcome, not
   an error); 0.17+ builds an expert mesh and the round trip runs.
 
 What is real: ``parallel_state``, ``FullyShardedDataParallel._init_dist_index`` (the first step of
@@ -30,12 +30,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import ID as FIX_ID
-from . import MODULE as _MODULE
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID as FIX_ID
+from .. import MODULE as _MODULE
 from .scenarios import DENSE_MESH
-from .upstream import refusal
+from ..runtime.core import refusal
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 NUM_EXPERTS, ROWS, COLS = 4, 6, 3
@@ -67,7 +67,7 @@ def _setup(ep, instances):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from ...testing.meshes import cpu_device_meshes
+    from ....testing.meshes import cpu_device_meshes
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep, num_distributed_optimizer_instances=instances)
     ddp_config = DistributedDataParallelConfig(

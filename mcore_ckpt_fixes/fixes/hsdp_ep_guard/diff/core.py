@@ -1,35 +1,25 @@
-"""hsdp-ep-guard as Megatron-Core 0.16.x would carry it: the guard's message and the source edit of
+"""hsdp-ep-guard as Megatron-Core 0.16.x would carry it: the source edit of
 patches/hsdp-ep-guard/<release>.patch (0.16.x).
 
 The diff puts the guard at the top of ``FullyShardedDataParallel._init_dist_index`` in
 ``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py``: with HSDP
 (``num_distributed_optimizer_instances > 1``) and an expert-parallel size > 1 it raises the same
-``ValueError`` line as the monkeypatch (both take the text from :func:`refusal`).
+``ValueError`` line as the monkeypatch (both take the text from ``runtime/core.py``'s :func:`refusal`).
 tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
 that its scenario is exact with the monkeypatch off.
 
     python tools/patchgen hsdp-ep-guard SRC_ROOT RELEASE > patches/hsdp-ep-guard/RELEASE.patch
 
-Imports no torch or megatron: ``tools/patchgen`` and the monkeypatch (:mod:`.patch`) both import it.
+Imports no torch or megatron (nor does the runtime module it takes the message from).
 """
 
 from __future__ import annotations
 
-from ...sourcediff import insert_after
+from ....sourcediff import insert_after
+from ..runtime.core import refusal
 
 TARGET = "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py"
 ANCHOR = "        enable_hsdp = self.ddp_config.num_distributed_optimizer_instances > 1\n"
-
-
-def refusal(instances, ep_size):
-    """The guard's message (one line; patches/hsdp-ep-guard/ raises the same text)."""
-    return (
-        f"Megatron-FSDP with num_distributed_optimizer_instances={instances} (HSDP) and "
-        f"expert_model_parallel_size={ep_size} is not supported by this Megatron-Core: it would shard "
-        f"the expert parameters on the dense data-parallel mesh. Accepted: "
-        f"num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1 "
-        f"with HSDP (Megatron-Core >= 0.17 supports both together)"
-    )
 
 
 def guard_code() -> str:

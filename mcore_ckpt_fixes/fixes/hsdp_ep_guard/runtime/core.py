@@ -8,12 +8,22 @@ from __future__ import annotations
 import sys
 import types
 
-from ...engine.patching import Patcher, is_replacement, mark, original
-from ...engine.probing import Group
-from . import ID, MODULE
-from .upstream import refusal
+from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.probing import Group
+from .. import ID, MODULE
 
 CLASS = "FullyShardedDataParallel"
+
+
+def refusal(instances, ep_size):
+    """The guard's message (one line; the source diff, ``diff/core.py``, raises the same text)."""
+    return (
+        f"Megatron-FSDP with num_distributed_optimizer_instances={instances} (HSDP) and "
+        f"expert_model_parallel_size={ep_size} is not supported by this Megatron-Core: it would shard "
+        f"the expert parameters on the dense data-parallel mesh. Accepted: "
+        f"num_distributed_optimizer_instances=1 with expert parallelism, or expert_model_parallel_size=1 "
+        f"with HSDP (Megatron-Core >= 0.17 supports both together)"
+    )
 
 
 def _ep_size(pg_collection):
