@@ -34,13 +34,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
-from ...testing.meshes import cpu_mesh as _mesh
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import EXPERTS as _EXPERTS_MODULE
-from . import ID as FIX_ID
-from . import UTILS as _UTILS_MODULE
+from ....testing.compare import max_abs_delta
+from ....testing.meshes import cpu_mesh as _mesh
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import EXPERTS as _EXPERTS_MODULE
+from .. import ID as FIX_ID
+from .. import UTILS as _UTILS_MODULE
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 HIDDEN, FFN, EXPERTS = 8, 12, 4
@@ -444,8 +444,8 @@ def helpers_read_parallel_state() -> bool:
     """0.12-0.15: Megatron's helpers take no group arguments; they read parallel_state."""
     import megatron.core.utils as mu
 
-    from ...engine.patching import original
-    from .patch import TP_HELPER, takes_groups
+    from ....engine.patching import original
+    from ..runtime.core import TP_HELPER, takes_groups
 
     return not takes_groups(original(mu, TP_HELPER))
 

@@ -1,7 +1,7 @@
 """dtensor-placement as Megatron-Core would carry it: the code of patches/dtensor-placement/<release>.patch
 and its source edits, per release.
 
-The edits mirror the monkeypatch (:mod:`.patch`) in effect:
+The edits mirror the monkeypatch (``runtime/core.py``) in effect:
 
 * megatron/core/utils.py (0.12-0.19; on 0.12-0.15 the helpers read parallel_state, so the TP rank
   does too): a DTensor the release's helper treats as one (every DTensor up to 0.18;
@@ -14,7 +14,7 @@ The edits mirror the monkeypatch (:mod:`.patch`) in effect:
 
 ``_dtensor_shard_for_checkpoint`` is written as the release's own code (it uses ``ShardedTensor``,
 ``Shard`` and ``is_torch_min_version`` as ``megatron/core/utils.py`` imports them); the monkeypatch
-computes the same layout with :func:`.patch.dtensor_layout` and :func:`.patch.build_sharded_tensor`.
+computes the same layout with ``dtensor_layout`` and ``build_sharded_tensor`` (``runtime/core.py``).
 tests/patches/test_source_patches.py checks that the patched source satisfies every probe of the
 fix and round-trips with the monkeypatch off.
 
@@ -25,7 +25,7 @@ SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...). Imports no torch
 
 from __future__ import annotations
 
-from ...sourcediff import PatchgenError, Transform, insert_after
+from ....sourcediff import PatchgenError, Transform, insert_after
 
 UTILS = "megatron/core/utils.py"
 EXPERTS = "megatron/core/transformer/moe/experts.py"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import types
 
-from ...engine.patching import Patcher, is_replacement, mark, original
-from ...engine.probing import Group
-from . import EXPERTS, ID, UTILS
+from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.probing import Group
+from .. import EXPERTS, ID, UTILS
 
 TP_HELPER = "make_tp_sharded_tensor_for_checkpoint"
 HELPER = "make_sharded_tensor_for_checkpoint"

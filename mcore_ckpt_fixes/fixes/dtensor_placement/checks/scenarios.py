@@ -9,10 +9,10 @@ doubled); any other layout (here: the unsharded layer) then fails.
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
-from . import ID
+from ....testing.registry import Bug, Scenario
+from .. import ID
 
-_DTP = f"{__package__}.round_trips"
+_DTP = f"{__package__}.core"
 _DTP_EXPERT_KEYS = ", ".join(f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bias", "weight"))
 # 0.12.1-0.14 MoE layers have no biases ("Bias is not supported for MoE"): the weights only.
 _DTP_EXPERT_WEIGHTS = ", ".join(f"experts.experts.linear_fc{i}.weight" for i in (1, 2))
