@@ -1,29 +1,24 @@
-"""gdn-fsdp-split, the code upstream would carry: ``handle_gdn_in_state_dict`` with a split that
-issues no collective, and the edits that put it into a release's ``fsdp_dtensor_checkpoint.py``.
+"""gdn-fsdp-split's replacement: ``handle_gdn_in_state_dict`` with a split that issues no collective.
 
-The source diff replaces upstream's ``handle_gdn_in_state_dict`` (with its nested
+:mod:`.core` binds these very functions (marked as this fix's) in a user's job. The source diff
+(``diff/core.py``) replaces upstream's ``handle_gdn_in_state_dict`` (with its nested
 ``split_gdn_fused``) by the code between the "replacement" markers below, taken verbatim except for
-one mechanical edit: ``MODULE`` (the upstream module's name) is read as ``__name__``. The monkeypatch
-(patch.py binds these very functions) and the diff are the same code by construction;
-tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
-round-trips with the monkeypatch off.
+one mechanical edit: ``MODULE`` (the upstream module's name) is read as ``__name__``. The runtime
+and the diff are the same code by construction; tests/patches/test_source_patches.py checks that the
+patched source satisfies the fix's probe and round-trips with the monkeypatch off.
 
-    python tools/patchgen gdn-fsdp-split SRC_ROOT RELEASE > patches/gdn-fsdp-split/RELEASE.patch
-
-SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+Its layout is the diff's layout: ruff does not reformat this file.
 """
 
 from __future__ import annotations
 
-import sys
-
-from . import MODULE
+from .. import MODULE
 
 # -- replacement ---------------------------------------------------------------------------------
-# Everything from here to "end of replacement" is also what ``source_edits`` below writes into
+# Everything from here to "end of replacement" is also what ``diff/core.py`` writes into
 # fsdp_dtensor_checkpoint.py for the source diffs (with ``sys.modules[MODULE]`` read as the module
 # itself), so the monkeypatch and the diffs cannot drift apart. Names the upstream module uses
-# (``DTensor``, ``HAVE_MEGATRON_FSDP``) are looked up in that module. patch.py marks the function as
+# (``DTensor``, ``HAVE_MEGATRON_FSDP``) are looked up in that module. core.py marks the function as
 # this fix's replacement; nothing here imports torch or megatron at import.
 
 _GDN_IN_PROJ_NAMES = ("query", "key", "value", "z", "beta", "alpha")
@@ -358,33 +353,3 @@ def _gdn_write_items(chunk, fqn, tensor):
 
 
 # -- end of replacement ----------------------------------------------------------------------------
-
-
-# -- source diffs ----------------------------------------------------------------------------------
-
-TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
-UPSTREAM_DEF, UPSTREAM_NEXT = "def handle_gdn_in_state_dict(", "def handle_fp8_extra_state_case("
-
-
-def replacement_code() -> str:
-    from ...sourcediff import refuse_names, replacement_section
-
-    code = replacement_section(sys.modules[__name__])
-    code = code.replace("sys.modules[MODULE]", "sys.modules[__name__]")
-    code = code.replace("logging.getLogger(MODULE)", "logging.getLogger(__name__)")
-    refuse_names(code, ("MODULE", "ID", "NAME", "mark"))
-    header = (
-        "# GDN fused projections (in_proj q/k/v/z/b/a, conv1d q/k/v) are split without any collective:\n"
-        "# every rank derives its pieces, their TP-global shapes and chunk offsets from metadata that is\n"
-        "# identical on all ranks plus its own mesh coordinates, whatever layout it holds (TP-global or\n"
-        "# TP-local DTensor, plain local Tensor). No per-rank branch, so ranks cannot diverge and hang.\n"
-    )
-    return header + code.rstrip("\n") + "\n\n\n"
-
-
-def source_edits(release: str) -> list:
-    """The one edit, the same on every affected release line (0.18.x, 0.19.x): upstream's function,
-    up to the next top-level one, becomes the replacement."""
-    from ...sourcediff import ReplaceBetween
-
-    return [ReplaceBetween(TARGET, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code())]

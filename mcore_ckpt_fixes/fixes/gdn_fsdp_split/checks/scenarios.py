@@ -7,9 +7,9 @@ each other's values.
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
+from ....testing.registry import Bug, Scenario
 
-_RT = "mcore_ckpt_fixes.fixes.gdn_fsdp_split.round_trips"
+_RT = "mcore_ckpt_fixes.fixes.gdn_fsdp_split.checks.core"
 _REQUIRES = ("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_gdn_in_state_dict",)
 TP_LOCAL_BUG = {
     "<0.19": Bug.raises("preprocess", "AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed."),

@@ -34,9 +34,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip
-from ...testing.states import ON, fix_states
-from . import ID as FIX_ID, MODULE as _MODULE
+from ....testing.result import RoundTrip
+from ....testing.states import ON, fix_states
+from .. import ID as FIX_ID, MODULE as _MODULE
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 # Global GDN dims: qk = 2 heads x 4, v = 4 heads x 3, so components have distinct sizes.

@@ -1,5 +1,5 @@
 """gdn-fsdp-split, the monkeypatch: the probe that finds the bug in a release's own
-``handle_gdn_in_state_dict``, and ``apply``, which binds upstream.py's replacement (marked as this
+``handle_gdn_in_state_dict``, and ``apply``, which binds :mod:`.split`'s replacement (marked as this
 fix's) in the target module and every module that imported the function by name. Imported only when
 ``megatron.core.transformer.fsdp_dtensor_checkpoint`` is.
 """
@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import types
 
-from ...engine.patching import Patcher, is_replacement, mark, original
-from . import ID, MODULE, NAME, upstream
+from ....engine.patching import Patcher, is_replacement, mark, original
+from .. import ID, MODULE, NAME
+from . import split
 
 # The upstream-shaped function is bound as it is (no wrapper); marking it in place lets the engine
 # and the probe tell it from the release's own (a reload re-probes the original, not the fix). It is
-# read as ``upstream.handle_gdn_in_state_dict``, never bound here by name: revert() points every
+# read as ``split.handle_gdn_in_state_dict``, never bound here by name: revert() points every
 # module global holding a reverted replacement back at the original, except in the defining module.
-mark(ID)(upstream.handle_gdn_in_state_dict)
+mark(ID)(split.handle_gdn_in_state_dict)
 
 
 # -- probe: the real function on inert stand-ins ---------------------------------------------------
@@ -150,4 +151,4 @@ def _verdict(seen, built):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace_function(module, NAME, upstream.handle_gdn_in_state_dict)
+    patcher.replace_function(module, NAME, split.handle_gdn_in_state_dict)
