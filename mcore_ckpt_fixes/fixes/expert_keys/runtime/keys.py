@@ -1,30 +1,24 @@
-"""expert-keys, the code upstream would carry: expert keys with global indices (biases as well as
-weights), single grouped expert tensors made EP-global, and the edits that put them into a release.
+"""expert-keys' replacements: expert keys with global indices (biases as well as weights), single
+grouped expert tensors made EP-global.
 
-The diff replaces upstream's ``get_expert_index_from_key``, ``handle_experts_in_state_dict`` and
-``expert_param_local_key`` in ``megatron/core/transformer/fsdp_dtensor_checkpoint.py`` by the code
+:mod:`.core` binds marked wrappers around these functions in a user's job. The source diff
+(``diff/core.py``) replaces upstream's ``get_expert_index_from_key``, ``handle_experts_in_state_dict``
+and ``expert_param_local_key`` in ``megatron/core/transformer/fsdp_dtensor_checkpoint.py`` by the code
 between the "replacement" markers below, verbatim except for one mechanical edit:
-``sys.modules[MODULE]`` (the upstream module, seen from the fix) is read as
-``sys.modules[__name__]``. From 0.17 (where the wheel ships ``megatron/training``) it also makes
-``megatron/training/checkpointing.py`` import ``preprocess_state_dict_for_uneven_dtensor`` from the
-patched module (the binding the monkeypatch replaces). tests/patches/test_source_patches.py checks
-that the patched source satisfies the fix's probes and round-trips with the monkeypatch off.
+``sys.modules[MODULE]`` (the upstream module, seen from the fix) is read as ``sys.modules[__name__]``.
 
-    python tools/patchgen expert-keys SRC_ROOT RELEASE > patches/expert-keys/RELEASE.patch
-
-SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...).
+Its layout is the diff's layout: ruff does not reformat this file.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 
-from . import MODULE
+from .. import MODULE
 
 # -- replacement ---------------------------------------------------------------------------------
-# (``source_edits`` below copies the code from here to the end marker into the upstream file for
-# patches/expert-keys/: keep it self-contained, ``re`` and ``sys`` only. patch.py binds marked
+# (``diff/core.py`` copies the code from here to the end marker into the upstream file for
+# patches/expert-keys/: keep it self-contained, ``re`` and ``sys`` only. core.py binds marked
 # wrappers around these functions; nothing here imports torch or megatron at import.)
 
 # TE grouped experts: 'mlp.experts.linear_fc1.weight3', '...linear_fc2.bias3', SwiGLU halves
@@ -236,62 +230,3 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict):
 
 
 # -- end of replacement ---------------------------------------------------------------------------
-
-
-# -- source diffs ----------------------------------------------------------------------------------
-
-TARGET = "megatron/core/transformer/fsdp_dtensor_checkpoint.py"
-UPSTREAM_DEF, UPSTREAM_NEXT = "def get_expert_index_from_key(", "def handle_swiglu_in_state_dict("
-# 0.17+: megatron.training's fsdp_dtensor save and load call the uneven-DTensor preprocessing by this
-# name; the patched module's version (Megatron-FSDP's, then grouped experts made EP-global) takes its
-# place, bound where the monkeypatch binds it (only there).
-TRAINING_FILE = "megatron/training/checkpointing.py"
-TRAINING_ANCHOR = "    HAVE_MEGATRON_FSDP = True\n"
-TRAINING_IMPORT = (
-    "    # Megatron-FSDP's uneven-DTensor preprocessing, then single grouped expert tensors described as\n"
-    "    # their EP rank's block of the global tensor of all experts (fsdp_dtensor_checkpoint).\n"
-    "    from megatron.core.transformer.fsdp_dtensor_checkpoint import preprocess_state_dict_for_uneven_dtensor\n"
-)
-
-
-def replacement_code() -> str:
-    from ...sourcediff import refuse_names, replacement_section
-
-    code = replacement_section(sys.modules[__name__]).replace("sys.modules[MODULE]", "sys.modules[__name__]")
-    refuse_names(code, ("MODULE", "ID", "NAMES", "mark", "original"))
-    header = (
-        "# Expert keys get global expert indices under expert parallelism, biases as well as weights,\n"
-        "# so EP ranks never write the same fsdp_dtensor key; num_experts=None with expert keys is an\n"
-        "# error (it used to drop them), and a single grouped tensor (no index) keeps its key and, under\n"
-        "# EP > 1, is described as its EP rank's rows of the global tensor of all experts.\n"
-    )
-    return header + code.rstrip("\n") + "\n\n\n"
-
-
-# Megatron-Bridge binds the uneven-DTensor preprocessing the same way (same anchor). Its diff takes the
-# patched preprocessing where Megatron-Core carries patches/expert-keys (which defines it), and keeps
-# Megatron-FSDP's own otherwise: an ImportError here must not switch Bridge's Megatron-FSDP support off.
-BRIDGE_FILE = "megatron/bridge/training/checkpointing.py"
-BRIDGE_IMPORT = (
-    "    try:  # Megatron-Core with patches/expert-keys: single grouped expert tensors made EP-global too\n"
-    "        from megatron.core.transformer.fsdp_dtensor_checkpoint import preprocess_state_dict_for_uneven_dtensor\n"
-    "    except ImportError:\n"
-    "        pass\n"
-)
-
-
-def source_edits(release: str) -> list:
-    """The same on every affected release line: upstream's key functions, up to the next top-level
-    one, become the replacement; where the release ships ``megatron/training`` (0.17+ wheels) its
-    checkpointing imports the patched preprocessing. ``megatron-bridge-<version>``: Bridge's
-    checkpointing imports it likewise (apply with Megatron-Core's diff)."""
-    from ...sourcediff import PatchgenError, ReplaceBetween, insert_before
-
-    if release.startswith("megatron-bridge-"):
-        if release != "megatron-bridge-0.6.2":
-            raise PatchgenError(f"expert-keys has no edits for {release} (measured: megatron-bridge-0.6.2)")
-        return [insert_before(BRIDGE_FILE, TRAINING_ANCHOR, BRIDGE_IMPORT)]
-    return [
-        ReplaceBetween(TARGET, UPSTREAM_DEF, UPSTREAM_NEXT, replacement_code()),
-        insert_before(TRAINING_FILE, TRAINING_ANCHOR, TRAINING_IMPORT, optional=True),
-    ]

@@ -31,10 +31,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.meshes import cpu_device_meshes
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import BRIDGE as _BRIDGE, ID as FIX_ID, MODULE as _MODULE, TRAINING as _TRAINING
+from ....testing.meshes import cpu_device_meshes
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import BRIDGE as _BRIDGE, ID as FIX_ID, MODULE as _MODULE, TRAINING as _TRAINING
 
 SAVE_SEED, FRESH_SEED = 1234, 98765
 EP, NUM_EXPERTS = 2, 4

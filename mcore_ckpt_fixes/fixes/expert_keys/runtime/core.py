@@ -1,18 +1,21 @@
-"""expert-keys, the monkeypatch: marked wrappers around upstream.py's functions (bound in Megatron's
+"""expert-keys, the monkeypatch: marked wrappers around :mod:`.keys`' functions (bound in Megatron's
 modules, with their own revert guard), the load-side wrapper of ``print_diff_in_state_dicts`` (warns
 about checkpoints in an unfixed layout, see old_layouts.py), and the probes and apply functions of
-both targets. Imported only when a target module is.
+the Megatron-Core targets (``megatron.core``'s fsdp_dtensor_checkpoint, ``megatron.training``'s
+checkpointing); Bridge's and NeMo's are in :mod:`.bridge` and :mod:`.nemo`. Imported only when a
+target module is.
 """
 
 from __future__ import annotations
 
 import types
 
-from ...engine.patching import Patcher, is_replacement, mark, original
-from . import BRIDGE, ID, MODULE, NAMES, NEMO, TRAINING, UNEVEN, old_layouts, upstream
+from ....engine.patching import Patcher, is_replacement, mark, original
+from .. import ID, MODULE, NAMES, TRAINING, UNEVEN
+from . import keys, old_layouts
 
-# upstream.py's implementations, as patches/expert-keys/ puts them into the upstream file.
-_FIXED = {name: getattr(upstream, name) for name in (*NAMES, "preprocess_state_dict_for_uneven_dtensor")}
+# keys.py's implementations, as patches/expert-keys/ puts them into the upstream file.
+_FIXED = {name: getattr(keys, name) for name in (*NAMES, "preprocess_state_dict_for_uneven_dtensor")}
 
 
 def _active(name, replacement, module_name=MODULE):
@@ -64,12 +67,6 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict):
     return _preprocess_through(TRAINING, preprocess_state_dict_for_uneven_dtensor, state_dict)
 
 
-@mark(ID)
-def bridge_preprocess_state_dict_for_uneven_dtensor(state_dict):
-    """Megatron-Bridge's binding (its ``preprocess_fsdp_dtensor_state_dict`` calls it)."""
-    return _preprocess_through(BRIDGE, bridge_preprocess_state_dict_for_uneven_dtensor, state_dict)
-
-
 for _name in _FIXED:  # the docstrings Megatron's readers see
     globals()[_name].__doc__ = _FIXED[_name].__doc__
 del _name
@@ -93,7 +90,7 @@ def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwa
         if any(texts):
             import warnings
 
-            from ...engine.errors import MegatronPatchWarning
+            from ....engine.errors import MegatronPatchWarning
 
             for text in filter(None, texts):
                 warnings.warn(text, MegatronPatchWarning, stacklevel=2)
@@ -259,40 +256,3 @@ def probe_training(module: types.ModuleType):
 def apply_training(module: types.ModuleType, patcher: Patcher) -> None:
     # This module's binding only (not rebound elsewhere): see TRAINING.
     patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", preprocess_state_dict_for_uneven_dtensor)
-
-
-probe_bridge = probe_training
-
-
-def apply_bridge(module: types.ModuleType, patcher: Patcher) -> None:
-    # Megatron-Bridge's binding only, as for megatron.training: see BRIDGE.
-    patcher.replace(module, "preprocess_state_dict_for_uneven_dtensor", bridge_preprocess_state_dict_for_uneven_dtensor)
-
-
-# -- NeMo 2 (nemo-toolkit < 3.0): a known gap, reported, not patched --------------------------------
-
-_NEMO_GAP = (
-    "NeMo 2's MegatronStrategy._get_fsdp_dtensor_state_dict preprocesses fsdp_dtensor checkpoints "
-    "without handle_experts_in_state_dict: under expert parallelism its expert keys keep their "
-    "EP-local indices and EP ranks overwrite each other's experts; mcore-ckpt-fixes does not cover "
-    "that path (docs/frameworks.md)"
-)
-
-
-def probe_nemo(module: types.ModuleType):
-    """Does NeMo 2's strategy call the expert-key handling at all? (It has no parallel state of its
-    own to run on stand-ins: the names its method's code refers to tell.)"""
-    strategy = getattr(module, "MegatronStrategy", None)
-    method = getattr(strategy, "_get_fsdp_dtensor_state_dict", None)
-    code = getattr(method, "__code__", None)
-    if code is None:
-        return None, f"{NEMO} has no MegatronStrategy._get_fsdp_dtensor_state_dict (no fsdp_dtensor path)"
-    if "handle_experts_in_state_dict" in code.co_names:
-        return False, "MegatronStrategy._get_fsdp_dtensor_state_dict calls handle_experts_in_state_dict"
-    return True, _NEMO_GAP
-
-
-def apply_nemo(module: types.ModuleType, patcher: Patcher) -> None:
-    # Reported as failed (a MegatronPatchWarning at import; `require` raises): a user of that path
-    # under EP must learn that this package does not make it safe.
-    raise NotImplementedError(_NEMO_GAP)

@@ -6,9 +6,9 @@ and Adam state); the tests pin exactly which rank's values each rank gets.
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
+from ....testing.registry import Bug, Scenario
 
-_RT = "mcore_ckpt_fixes.fixes.expert_keys.round_trips"
+_RT = "mcore_ckpt_fixes.fixes.expert_keys.checks.core"
 _REQUIRES = ("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_experts_in_state_dict",)
 # Single grouped expert tensors (one tensor of all local experts per GEMM) exist from 0.18.
 _GROUPED_REQUIRES = _REQUIRES + (

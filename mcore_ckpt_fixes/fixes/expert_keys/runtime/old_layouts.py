@@ -4,15 +4,15 @@ Under EP > 1 an unfixed release stored expert biases under local indices (every 
 same keys, one copy kept) and single grouped expert tensors with their EP-local shape. A fixed load
 asks for other keys and shapes; these functions look at the checkpoint's DCP metadata (keys and
 sizes, no tensor data), point the load of grouped tensors at what is stored, and return the warning
-text. patch.py's ``print_diff_in_state_dicts`` wrapper calls them and warns.
+text. core.py's ``print_diff_in_state_dicts`` wrapper calls them and warns.
 """
 
 from __future__ import annotations
 
 import re
 
-from . import MODULE
-from .upstream import _ep_size_and_rank
+from .. import MODULE
+from .keys import _ep_size_and_rank
 
 # Any expert tensor key of a TE grouped MLP, model or optimizer state ('optimizer.state.<name>.exp_avg').
 _INDEXED_EXPERT_KEY = re.compile(
