@@ -3,7 +3,7 @@
 Non-colocated MimoOptimizer, world 2 (selftest runs 2 ranks by default):
 
 * ``world2``: over DistributedOptimizers (``dp_reshardable``: the only sharding type that
-  round-trips on CPU, see round_trips.py); defects (a)-(d). Registered for 0.17/0.18 only: 0.19
+  round-trips on CPU, see checks/core.py); defects (a)-(d). Registered for 0.17/0.18 only: 0.19
   writes this layout itself, so with the fix off it is exact there (the applicability check says
   so and selftest skips it on 0.19).
 * ``torch_adam``: over Megatron's non-distributed optimizer and torch's AdamW (what Megatron builds
@@ -14,10 +14,10 @@ The world-4 TP=2 variants (same functions, 4 ranks) are run by tests/fixes/test_
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
-from . import ID
+from ....testing.registry import Bug, Scenario
+from .. import ID
 
-_MIMO = "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips"
+_MIMO = f"{__package__}.core"
 
 
 def _mimo_collision(idxs):

@@ -1,27 +1,27 @@
 """mimo-optimizer as upstream would write it: what patches/mimo-optimizer/<release>.patch carries.
 
-The edits mirror the monkeypatch (:mod:`.patch`, :mod:`.common_state`, :mod:`.old_layouts`) in
+The edits mirror the monkeypatch (``runtime/``: ``core.py``, ``common_state.py``, ``old_layouts.py``) in
 effect: the saved layout becomes the one Megatron-Core 0.19 writes (per-module ShardedObjects for
 param groups, sharding type and grad scaler, replica id (tp, pp, dp), inner keys prefixed
 ``mimo.<module>.``), and the load tolerates the emptied ``optimizer`` sub-dict not coming back. 0.18
 already has all but the prefix. On 0.17, 0.18 and 0.19 each module's common state also travels in
-its own object: the marked replacement section of :mod:`.common_state` is copied verbatim to the end
+its own object: the marked replacement section of ``runtime/common_state.py`` is copied verbatim to the end
 of optimizer.py and called where MimoOptimizer saves and loads each module.
 On every affected release (0.17, 0.18, 0.19) ``dist_checkpointing.load`` (serialization.py) also
-reads what unfixed 0.17/0.18 wrote: the marked replacement section of :mod:`.old_layouts` is copied
+reads what unfixed 0.17/0.18 wrote: the marked replacement section of ``runtime/old_layouts.py`` is copied
 verbatim to the end of serialization.py and called before and after the load, as the monkeypatch's
 wrapper does (the warning is a plain UserWarning there: the package is not imported).
 tests/patches/test_source_patches.py checks that the patched source satisfies the fix's probe and
 round-trips with the monkeypatch off, and that ``python tools/patchgen mimo-optimizer SRC_ROOT
 RELEASE`` regenerates the committed diff (SRC_ROOT holds the unpacked wheel: SRC_ROOT/megatron/core/...).
 
-Nothing is imported from torch or Megatron here (:mod:`.old_layouts` imports neither at module level).
+Nothing is imported from torch or Megatron here (the two runtime modules it reads import neither at module level).
 """
 
 from __future__ import annotations
 
-from ...sourcediff import Replace, Transform, refuse_names, replacement_section
-from . import common_state, old_layouts
+from ....sourcediff import Replace, Transform, refuse_names, replacement_section
+from ..runtime import common_state, old_layouts
 
 PATH = "megatron/core/models/mimo/optimizer.py"
 LOAD_PATH = "megatron/core/dist_checkpointing/serialization.py"

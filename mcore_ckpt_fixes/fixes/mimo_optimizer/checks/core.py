@@ -45,10 +45,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta
-from ...testing.result import RoundTrip
-from ...testing.states import ON, fix_states
-from . import ID, MODULE as TARGET
+from ....testing.compare import max_abs_delta
+from ....testing.result import RoundTrip
+from ....testing.states import ON, fix_states
+from .. import ID, MODULE as TARGET
 
 MODULES = ("language", "vision")
 HIDDEN = 16
@@ -64,7 +64,7 @@ SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_sp
 
 
 def _cuda_to_cpu_mode():
-    from ...testing.cpu_shims import cuda_to_cpu_mode
+    from ....testing.cpu_shims import cuda_to_cpu_mode
 
     return cuda_to_cpu_mode()
 
@@ -469,7 +469,7 @@ def _check_loaded(rt, built, sharding_type, loaded_type):
 
 def save_side_applicable():
     """None where ``world2`` shows its bug with the fix off (0.17/0.18), else why it is not run."""
-    from ...engine.version import detect
+    from ....engine.version import detect
     from packaging.specifiers import SpecifierSet
 
     from .scenarios import MIMO_SAVE_SIDE

@@ -19,14 +19,14 @@ empty and always requested on load (a fresh optimizer has no ``step`` before its
 checkpoint's does); checkpoints without it are handled by ``old_layouts.align_mimo_optimizer_request``.
 
 The code between the markers is also what the source diff puts into
-``megatron/core/models/mimo/optimizer.py`` (see :mod:`.upstream`): self-contained, imports inside.
+``megatron/core/models/mimo/optimizer.py`` (see ``diff/core.py``): self-contained, imports inside.
 """
 
 from __future__ import annotations
 
 
 # -- replacement ---------------------------------------------------------------------------------
-# (upstream.py copies the code from here to the end marker into
+# (diff/core.py copies the code from here to the end marker into
 # megatron/core/models/mimo/optimizer.py for patches/mimo-optimizer/: keep it self-contained.)
 
 

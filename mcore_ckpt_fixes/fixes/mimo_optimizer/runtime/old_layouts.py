@@ -5,10 +5,10 @@ encoder) its MIMO optimizer keys carry no ``mimo.<module>.`` prefix and, on 0.17
 sits in the common state that only global rank 0 writes (so a module on another rank has none).
 :func:`align_mimo_optimizer_request` decides, from the checkpoint's metadata (names only), what a
 load should ask for and how to complete what it got, and words the warning; the wrapped
-``dist_checkpointing.load`` (:mod:`.patch`) calls it and emits the warning as a
+``dist_checkpointing.load`` (:mod:`.core`) calls it and emits the warning as a
 ``MegatronPatchWarning``.
 
-The code below is also what the source diff carries (see :mod:`.upstream`): it is copied verbatim
+The code below is also what the source diff carries (see ``diff/core.py``): it is copied verbatim
 into ``megatron/core/dist_checkpointing/serialization.py``, so it imports nothing at module level
 and refers to nothing of this package.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 
 # -- replacement ---------------------------------------------------------------------------------
-# (upstream.py copies the code from here to the end marker into
+# (diff/core.py copies the code from here to the end marker into
 # megatron/core/dist_checkpointing/serialization.py for patches/mimo-optimizer/: keep it
 # self-contained, imports inside the functions.)
 

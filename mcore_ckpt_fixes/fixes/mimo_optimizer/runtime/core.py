@@ -15,12 +15,12 @@ import os
 import types
 import warnings
 
-from ...engine.errors import MegatronPatchWarning
-from ...engine.patching import Patcher, mark, original
-from ...engine.probing import Group
-from . import ID, LOAD_MODULE, MODULE
+from ....engine.errors import MegatronPatchWarning
+from ....engine.patching import Patcher, mark, original
+from ....engine.probing import Group
+from .. import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
-from ...dcp_metadata import install as share_metadata_reads, shared_metadata
+from ....dcp_metadata import install as share_metadata_reads, shared_metadata
 from .old_layouts import _mimo_sharded_leaves, align_mimo_optimizer_request
 
 # Where each plain value travels in the 0.18+/0.19 layout: sub-dict key -> ShardedObject name.
