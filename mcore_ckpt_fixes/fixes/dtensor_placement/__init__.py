@@ -36,11 +36,11 @@ The helpers are bound by name in many modules (``from megatron.core.utils import
 replaced with ``replace_function``, which rebinds every loaded module's binding by identity; modules
 imported later bind the replacement from ``megatron.core.utils`` itself.
 
-Layout: ``runtime/core.py`` holds the probes, the monkeypatch's own layout computation
-(``dtensor_layout``) and the replacements; ``diff/core.py`` the code ``patches/dtensor-placement/``
-carries (the helper ``_dtensor_shard_for_checkpoint`` as the release's own ``megatron/core/utils.py``
-would have it) and its source edits per release; ``checks/`` the round trips (``scenarios.py``,
-``core.py``).
+Layout: ``runtime/core.py`` holds the probes, the layout check (``dtensor_layout``) and the
+replacements; ``runtime/shard.py`` the helper ``_dtensor_shard_for_checkpoint`` they call for a
+sharded DTensor, written as the release's own ``megatron/core/utils.py`` would have it;
+``diff/core.py`` the source edits per release (which insert that helper verbatim); ``checks/`` the
+round trips (``scenarios.py``, ``core.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The runtime (``runtime/core.py``) wraps the release's two helpers and ``SequentialMLP.sharded_state_dict``:
 the diff is the minimal edit of the release's own lines there (a DTensor branch in each helper, the
 replica index kept in SequentialMLP's loop). The branch calls a helper the release does not have,
-``_dtensor_shard_for_checkpoint``; see :mod:`.core` for where its text comes from.
+``_dtensor_shard_for_checkpoint``: a whole function, so its text is the runtime's own
+(``runtime/shard.py``, via ``sourcediff.replacement_section``), the function the monkeypatch calls.
 """
 
 

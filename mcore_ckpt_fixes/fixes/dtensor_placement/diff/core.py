@@ -12,9 +12,8 @@ The edits mirror the monkeypatch (``runtime/core.py``) in effect:
 * megatron/core/transformer/moe/experts.py: SequentialMLP keeps the replica index of those shards
   (tagged ``is_torch_fsdp2_param``) instead of overwriting it with the expert-DP rank.
 
-``_dtensor_shard_for_checkpoint`` is written as the release's own code (it uses ``ShardedTensor``,
-``Shard`` and ``is_torch_min_version`` as ``megatron/core/utils.py`` imports them); the monkeypatch
-computes the same layout with ``dtensor_layout`` and ``build_sharded_tensor`` (``runtime/core.py``).
+``_dtensor_shard_for_checkpoint`` is the runtime's own helper, taken verbatim from ``runtime/shard.py``
+(``sourcediff.replacement_section``): the monkeypatch calls the same function for a sharded DTensor.
 tests/patches/test_source_patches.py checks that the patched source satisfies every probe of the
 fix and round-trips with the monkeypatch off.
 
@@ -25,114 +24,12 @@ SRC_ROOT holds the unpacked wheel (SRC_ROOT/megatron/core/...). Imports no torch
 
 from __future__ import annotations
 
-from ....sourcediff import PatchgenError, Transform, insert_after
+from ....sourcediff import PatchgenError, Transform, insert_after, replacement_section
 
 UTILS = "megatron/core/utils.py"
 EXPERTS = "megatron/core/transformer/moe/experts.py"
 TAG_TEST = 'hasattr(tensor, "is_torch_fsdp2_param")'
 
-# The helper the diff adds to megatron/core/utils.py, before make_tp_sharded_tensor_for_checkpoint.
-HELPER_CODE = '''def _dtensor_shard_for_checkpoint(
-    tensor, key, prepend_offsets, tp_axis, tp_rank, tp_size, tp_replica, replica_id, kwargs
-):
-    """ShardedTensor of a DTensor's local shard, placed by the DTensor's own mesh and placements.
-
-    Shard(d) on a mesh dim cuts the current extent of dim d into torch chunks (ceil(n / mesh
-    size) each, mesh dims in order); Replicate dims give the DP replica index; TP (outside the
-    DTensor) is merged on ``tp_axis`` (None: not TP-sharded). Uneven shards get an irregular grid.
-    Returns (ShardedTensor, replica index); the ShardedTensor is None for a DTensor that is not
-    sharded (the caller takes the plain path with that replica index: the DTensor's mesh holds
-    every copy of its data, so on a size-1 mesh this rank is the main replica).
-    """
-    from torch.distributed.tensor import Replicate
-
-    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(
-            f"{key}: this rank is not in the DTensor's device mesh; "
-            "accepted: a DTensor whose mesh includes this rank"
-        )
-    global_shape = list(tensor.shape)
-    offset, extent = [0] * len(global_shape), list(global_shape)
-    replica, even, sharded = 0, True, False
-    for i, placement in enumerate(placements):
-        n = tuple(mesh.shape)[i]
-        if type(placement) is Replicate:
-            replica = replica * n + coord[i]
-        elif type(placement) is Shard:
-            d = placement.dim % len(global_shape)
-            size = extent[d]
-            chunk = -(-size // n) if size else 0
-            start = min(coord[i] * chunk, size)
-            offset[d] += start
-            extent[d] = max(0, min(chunk, size - start))
-            even = even and size % n == 0
-            sharded = sharded or n > 1
-        else:
-            raise ValueError(
-                f"{key}: cannot checkpoint a DTensor placed {placement!r} on mesh dim {i}; "
-                "accepted: Shard(dim), Replicate()"
-            )
-    local = tensor._local_tensor
-    if tuple(extent) != tuple(local.shape):
-        raise ValueError(
-            f"{key}: local shard {tuple(local.shape)} does not match placements {placements} of "
-            f"global shape {tuple(tensor.shape)} (expected {tuple(extent)}); "
-            "accepted: torch's Shard chunking (ceil(n/mesh) per shard)"
-        )
-    if not sharded:
-        return None, replica
-    if tp_axis is not None and tp_size > 1:
-        # TP outside, the DTensor inside the TP-local tensor.
-        offset[tp_axis] += tp_rank * global_shape[tp_axis]
-        global_shape[tp_axis] *= tp_size
-    if replica_id is None:
-        replica_id = (0, tp_replica, replica)
-    prepend_axis_num = len(prepend_offsets)
-    if even and all(le > 0 for le in local.shape):
-        rank_offsets = [
-            (prepend_axis_num + d, offset[d] // le, global_shape[d] // le)
-            for d, le in enumerate(local.shape)
-            if global_shape[d] != le
-        ]
-        sh_ten = ShardedTensor.from_rank_offsets(
-            key,
-            local,
-            *prepend_offsets,
-            *rank_offsets,
-            replica_id=replica_id,
-            prepend_axis_num=prepend_axis_num,
-            **kwargs,
-        )
-    else:
-        if not is_torch_min_version("2.6a0"):
-            raise ValueError(
-                f"{key}: uneven DTensor shards (local {tuple(local.shape)} of "
-                f"{tuple(tensor.shape)}) need PyTorch >= 2.6 for dist_checkpointing; "
-                "accepted: each sharded dim divisible by its mesh size"
-            )
-        pre_shape, pre_offset = [1] * prepend_axis_num, [0] * prepend_axis_num
-        for axis, axis_rank_offset, axis_fragm in prepend_offsets:
-            pre_shape[axis], pre_offset[axis] = axis_fragm, axis_rank_offset
-        sh_ten = ShardedTensor(
-            key,
-            local,
-            local.dtype,
-            tuple(local.shape),
-            tuple(pre_shape + global_shape),
-            tuple(pre_offset + offset),
-            None,  # irregular grid: dist_checkpointing defers the coverage check to DCP
-            replica_id,
-            prepend_axis_num,
-            **kwargs,
-        )
-    # Its replica index comes from its mesh: SequentialMLP must not overwrite it.
-    sh_ten.is_torch_fsdp2_param = True
-    return sh_ten, replica
-
-
-'''
 
 ANCHOR = "    dp_replica_id = get_pg_rank(dp_cp_group)\n"
 # 0.12-0.15: the helpers take no groups and read parallel_state.
@@ -189,7 +86,15 @@ def patch_utils(text):
         ),
     )
     at = text.index("\ndef make_tp_sharded_tensor_for_checkpoint(") + 1
-    return text[:at] + HELPER_CODE + text[at:]
+    return text[:at] + helper_code() + text[at:]
+
+
+def helper_code() -> str:
+    """The helper the diff adds to megatron/core/utils.py, before make_tp_sharded_tensor_for_checkpoint:
+    the runtime's own (``runtime/shard.py``), verbatim."""
+    from ..runtime import shard
+
+    return replacement_section(shard)
 
 
 # SequentialMLP.sharded_state_dict's loop over its experts' ShardedTensors (every release).

@@ -12,6 +12,7 @@ import types
 from ....engine.patching import Patcher, is_replacement, mark, original
 from ....engine.probing import Group
 from .. import EXPERTS, ID, UTILS
+from . import shard
 
 TP_HELPER = "make_tp_sharded_tensor_for_checkpoint"
 HELPER = "make_sharded_tensor_for_checkpoint"
@@ -129,48 +130,17 @@ def _groups(helper, kwargs):
     return utils.get_pg_rank(tp_group), utils.get_pg_size(tp_group), rest
 
 
-def build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs):
-    """The ShardedTensor of the DTensor's local shard (``tp_axis=None``: not TP-sharded)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    local = tensor._local_tensor
-    prepend = len(prepend_offsets)
-    gshape, goff = list(layout.global_shape), list(layout.offset)
-    if tp_axis is not None and tp_size > 1:
-        # TP outside, the DTensor inside the TP-local tensor: rank tp_rank's block, then the shard.
-        goff[tp_axis] += tp_rank * gshape[tp_axis]
-        gshape[tp_axis] *= tp_size
-    even = layout.even and all(le > 0 for le in local.shape)
-    if even:
-        rank_offsets = [
-            (prepend + d, goff[d] // le, gshape[d] // le) for d, le in enumerate(local.shape) if gshape[d] != le
-        ]
-        sh = ShardedTensor.from_rank_offsets(
-            key, local, *prepend_offsets, *rank_offsets, replica_id=replica_id, prepend_axis_num=prepend, **kwargs
+def build_sharded_tensor(key, tensor, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, kwargs):
+    """The ShardedTensor of a sharded DTensor's local shard (``tp_axis=None``: not TP-sharded), by the
+    helper the source diff inserts into ``megatron/core/utils.py`` (:mod:`.shard`), run here."""
+    try:
+        sh, _ = shard._dtensor_shard_for_checkpoint(
+            tensor, key, prepend_offsets, tp_axis, tp_rank, tp_size, 0, replica_id, kwargs
         )
-    else:
-        utils = sys.modules[UTILS]
-        if not utils.is_torch_min_version("2.6a0"):
-            raise DTensorPlacementError(
-                f"{key}: uneven DTensor shards (local {tuple(local.shape)} of {tuple(layout.global_shape)}) need "
-                "PyTorch >= 2.6 for dist_checkpointing; accepted: each sharded dim divisible by its mesh size"
-            )
-        pre_shape, pre_off = [1] * prepend, [0] * prepend
-        for axis, rank_offset, fragments in prepend_offsets:
-            pre_shape[axis], pre_off[axis] = fragments, rank_offset
-        sh = ShardedTensor(
-            key,
-            local,
-            local.dtype,
-            tuple(local.shape),
-            tuple(pre_shape + gshape),
-            tuple(pre_off + goff),
-            None,  # irregular grid: dist_checkpointing defers the coverage check to DCP
-            replica_id,
-            prepend,
-            **kwargs,
-        )
-    setattr(sh, FSDP2_TAG, True)  # as 0.19 marks it: "every shard of this tensor is described by DP"
+    except ValueError as exc:
+        if not str(exc).startswith(f"{key}: "):
+            raise
+        raise DTensorPlacementError(str(exc)) from None  # its one-line refusals, as this fix's error
     return sh
 
 
@@ -202,7 +172,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
         replica_id = (0, 0, layout.replica)
     if layout.sharded:
         tp_rank, tp_size, rest = _groups(TP_HELPER, kwargs)
-        sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, rest)
+        sh = build_sharded_tensor(key, tensor, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, rest)
     else:  # all Replicate / size-1 mesh: the plain path, on the local (= full) tensor
         sh = orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     if ours:
@@ -225,7 +195,7 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
     if ours:  # replicated across TP as the release says; across DP as the DTensor's own mesh says
         replica_id = (0, tp_rank, layout.replica)
     if layout.sharded:
-        sh = build_sharded_tensor(key, tensor, layout, prepend_offsets, None, 0, 1, replica_id, rest)
+        sh = build_sharded_tensor(key, tensor, prepend_offsets, None, 0, 1, replica_id, rest)
     else:  # all Replicate / size-1 mesh: never materialise, the local tensor is the full one
         sh = orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
     if ours:
@@ -393,6 +363,7 @@ def probe_sequential_mlp(module: types.ModuleType):
 
 
 def apply_utils(module: types.ModuleType, patcher: Patcher) -> None:
+    shard.bind(module)
     for name in (TP_HELPER, HELPER):
         _TAKES_GROUPS[name] = takes_groups(original(module, name))
         _TAG_REQUIRED[name] = _tag_required(module, name)
