@@ -9,7 +9,7 @@ loaded), ``digests`` (per tensor: fingerprints of what was saved and what was lo
 so that a world's judgement can tell whose values a rank loaded), ``n_tensors`` and ``fix_state``,
 plus what the scenario adds.
 
-Each fix declares its scenarios in ``mcore_ckpt_fixes/fixes/<fix>/scenarios.py`` as a tuple
+Each fix declares its scenarios in ``mcore_ckpt_fixes/fixes/<fix>/checks/scenarios.py`` as a tuple
 ``SCENARIOS`` of :class:`Scenario`; :func:`for_fix` and :func:`all_scenarios` find them through the
 engine's discovery, so adding a fix edits no shared list. A :class:`Scenario` says how to read the
 fix-off half on a release the fix is needed for (its :class:`Bug`: the documented error, exactly,
@@ -208,15 +208,16 @@ def resolve(ref: str):
 
 
 def _declared(fix):
-    """The scenarios ``fix``'s package declares (``<package>.scenarios.SCENARIOS``), or none."""
+    """The scenarios ``fix``'s package declares (``<package>.checks.scenarios.SCENARIOS``), or none."""
     home = getattr(fix, "home", None)
     if not home:
         return ()
+    path = f"{home}.checks.scenarios"  # CONTRIBUTING.md, "Adding a fix"
     try:
-        module = importlib.import_module(f"{home}.scenarios")
+        module = importlib.import_module(path)
     except ModuleNotFoundError as exc:
-        if exc.name != f"{home}.scenarios":
-            raise
+        if exc.name not in (path, path.rpartition(".")[0]):
+            raise  # the module exists and something it imports is missing
         return ()
     return tuple(getattr(module, "SCENARIOS", ()))
 

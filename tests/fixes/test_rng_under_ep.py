@@ -4,7 +4,7 @@ World 2, EP=2 (TP=PP=1: the two EP ranks are the two data-parallel ranks), gloo 
 GPTModel with one local expert per EP rank, saved and loaded with Megatron's own
 ``save_checkpoint`` / ``load_checkpoint`` (``torch_dist``, Megatron's default options, parsed by its
 own ``parse_args`` / ``validate_args``). Why those two functions and what each world does: see
-mcore_ckpt_fixes/fixes/rng_under_ep/round_trips.py.
+mcore_ckpt_fixes/fixes/rng_under_ep/checks/core.py.
 
 Stand-in used (CPU workers only): one CPU ``torch.Generator`` plays the CUDA default generator
 (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed``, Megatron's ``_set_cuda_rng_state``),
@@ -25,10 +25,10 @@ import pytest
 
 from conftest import check_py
 from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from rng_worlds import RngWorlds
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.core"
 COMPONENTS = {
     "python",
     "numpy",
@@ -55,40 +55,12 @@ def _need_training(version):
 def warm_parent(mcore_version):
     """Import Megatron (megatron.training included) once here: every world below forks from this process."""
     if _has_training(mcore_version):
-        from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import prepare
+        from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import prepare
 
         prepare()
 
 
-def _world(func, patched, ckpt_dir, **kwargs):
-    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(
-        run_world(f"{SC}:{func}", 2, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=180)
-    )
-
-
-def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
-
-    return delta(a, b)
-
-
-def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
-
-    return same_states(a, b, COMPONENTS)
-
-
-def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
-
-    assert_ranks_differ(saved, COMPONENTS)
-
-
-def _ok(results):
-    for rank, r in enumerate(results):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
-    return results
+RNG = RngWorlds(SC, COMPONENTS, timeout=180)
 
 
 # -- registry, status, engine ------------------------------------------------------------------------
@@ -99,7 +71,7 @@ def test_state_delta_tells_a_cached_gaussian_from_none():
     draws different numbers next, so two states that differ only there must compare different."""
     import random
 
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     gen = random.Random(7)
     gen.gauss(0.0, 1.0)
@@ -144,7 +116,7 @@ def test_status_and_probe(mcore_version):
 
     import mcore_ckpt_fixes
     from mcore_ckpt_fixes.engine.patching import original
-    from mcore_ckpt_fixes.fixes.rng_under_ep import patch as f
+    from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import core as f
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
@@ -172,7 +144,7 @@ def test_rebind_reload_revert_pickle(mcore_version):
         exec("from megatron.training.checkpointing import get_rng_state", user.__dict__)
         sys.modules[user.__name__] = user
         import mcore_ckpt_fixes
-        from mcore_ckpt_fixes.fixes.rng_under_ep import patch as f
+        from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import core as f
         assert m.get_rng_state is f.get_rng_state and user.get_rng_state is f.get_rng_state
         assert m._load_global_dist_base_checkpoint is f.load_global_dist_base_checkpoint
         mcore_ckpt_fixes.apply(); mcore_ckpt_fixes.apply()
@@ -195,9 +167,9 @@ def test_rebind_reload_revert_pickle(mcore_version):
 
 def test_unpatched_ep_rank1_restores_rank0(tmp_path, mcore_version):
     _need_training(mcore_version)
-    results = _world("ep2_round_trip", False, tmp_path)
+    results = RNG.world("ep2_round_trip", False, tmp_path)
     saved = [r["saved"] for r in results]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     r0, r1 = results
     # Unfixed: one (pp, tp) = (0, 0) object, the DP/EP ranks are declared replicas of each other.
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
@@ -206,7 +178,7 @@ def test_unpatched_ep_rank1_restores_rank0(tmp_path, mcore_version):
         "error"
     ]
     # Exactly: EP rank 1 resumes on EP rank 0's states, in every component.
-    assert _same(r1["loaded"], saved[0]), {k: _delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
+    assert RNG.same(r1["loaded"], saved[0]), {k: RNG.delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
     assert all(d != 0.0 for d in r1["max_delta"].values()), r1["max_delta"]
     assert r0["model_max_delta"] == 0.0 and r1["model_max_delta"] == 0.0  # the experts themselves are fine
     assert r0["warnings"] == [] and r1["warnings"] == []
@@ -215,12 +187,12 @@ def test_unpatched_ep_rank1_restores_rank0(tmp_path, mcore_version):
 
 def test_patched_round_trip_is_exact(tmp_path, mcore_version):
     _need_training(mcore_version)
-    results = _ok(_world("ep2_round_trip", True, tmp_path))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("ep2_round_trip", True, tmp_path))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ([1, 1, 2], [0, 0, rank], 0), r["layout"]  # (pp, tp, dp_cp), every rank writes
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert _same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0
+        assert RNG.same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0
         assert r["fix_state"] == {"megatron.training.checkpointing": "applied"} and r["warnings"] == []
 
 
@@ -229,10 +201,10 @@ def test_data_parallel_random_init_round_trip(patched, tmp_path, mcore_version):
     """With --data-parallel-random-init the state list is gathered over DP, so even the unfixed
     layout holds every rank's state (the bug needs the default flags); the fixed layout keeps it."""
     _need_training(mcore_version)
-    results = _ok(_world("ep2_round_trip", patched, tmp_path, data_parallel_random_init=True))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("ep2_round_trip", patched, tmp_path, data_parallel_random_init=True))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]), r["max_delta"]
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]), r["max_delta"]
         assert r["layout"] == (([1, 1, 2], [0, 0, rank], 0) if patched else ([1, 1], [0, 0], rank))
 
 
@@ -244,7 +216,7 @@ def old_ckpt(tmp_path_factory, mcore_version):
     """A checkpoint in the unfixed 2-D layout, written by the unfixed release (fix off)."""
     _need_training(mcore_version)
     d = tmp_path_factory.mktemp("rng-old-layout")
-    return d, [r["saved"] for r in _ok(_world("save_only", False, d))]
+    return d, [r["saved"] for r in RNG.ok(RNG.world("save_only", False, d))]
 
 
 @pytest.fixture(scope="module")
@@ -252,15 +224,15 @@ def new_ckpt(tmp_path_factory, mcore_version):
     """A checkpoint in the per-rank (pp, tp, dp_cp) layout, written with the fix."""
     _need_training(mcore_version)
     d = tmp_path_factory.mktemp("rng-new-layout")
-    return d, [r["saved"] for r in _ok(_world("save_only", True, d))]
+    return d, [r["saved"] for r in RNG.ok(RNG.world("save_only", True, d))]
 
 
 def test_new_layout_loads_patched_after_restart(new_ckpt):
     d, saved = new_ckpt
-    _ranks_differ(saved)
-    for rank, r in enumerate(_ok(_world("load_only", True, d))):
-        assert not _same(r["before"], saved[rank])  # the fresh world had other states
-        assert _same(r["loaded"], saved[rank]) and r["warnings"] == [], rank
+    RNG.ranks_differ(saved)
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, d))):
+        assert not RNG.same(r["before"], saved[rank])  # the fresh world had other states
+        assert RNG.same(r["loaded"], saved[rank]) and r["warnings"] == [], rank
 
 
 def test_old_layout_loads_patched_with_warning(old_ckpt):
@@ -268,32 +240,32 @@ def test_old_layout_loads_patched_with_warning(old_ckpt):
     state there is: rank 0's own). Rank 1, whose restored state is not its own, is told so, naming
     the old layout; rank 0 gets its own state back and is not warned (it logs the text instead)."""
     d, saved = old_ckpt
-    _ranks_differ(saved)
-    r0, r1 = _ok(_world("load_only", True, d))
-    assert r0["warnings"] == [] and _same(r0["loaded"], saved[0])
+    RNG.ranks_differ(saved)
+    r0, r1 = RNG.ok(RNG.world("load_only", True, d))
+    assert r0["warnings"] == [] and RNG.same(r0["loaded"], saved[0])
     assert len(r1["warnings"]) == 1, r1["warnings"]
     (w,) = r1["warnings"]
     assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and OLD_LAYOUT in w, w
     assert "this rank (pp 0, tp 0, dp_cp 1) restores that copy" in w, w
-    assert _same(r1["loaded"], saved[0])
+    assert RNG.same(r1["loaded"], saved[0])
 
 
 def test_old_layout_with_data_parallel_random_init_restores_every_rank(tmp_path, mcore_version):
     """Where the unfixed layout does hold every rank's state (the DP-gathered list), the fixed load
     restores each rank's own: no rank is warned (each logs the old-layout text instead)."""
     _need_training(mcore_version)
-    saved = [r["saved"] for r in _ok(_world("save_only", False, tmp_path, data_parallel_random_init=True))]
-    _ranks_differ(saved)
-    for rank, r in enumerate(_ok(_world("load_only", True, tmp_path, data_parallel_random_init=True))):
+    saved = [r["saved"] for r in RNG.ok(RNG.world("save_only", False, tmp_path, data_parallel_random_init=True))]
+    RNG.ranks_differ(saved)
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, tmp_path, data_parallel_random_init=True))):
         assert r["warnings"] == [], r["warnings"]
-        assert _same(r["loaded"], saved[rank]), rank
+        assert RNG.same(r["loaded"], saved[rank]), rank
 
 
 def test_unfixed_release_cannot_read_new_layout_rng(new_ckpt):
     """Impossible by construction: the unfixed load asks for the 2-D key, the checkpoint has the
     per-rank keys. It stops loudly in load_checkpoint (never restores a wrong state silently)."""
     d, _ = new_ckpt
-    for rank, r in enumerate(_world("load_only", False, d)):
+    for rank, r in enumerate(RNG.world("load_only", False, d)):
         assert r["phase"] == "load", (rank, r["phase"], r["error"])
         assert r["error"].startswith("CheckpointException: ") and UNFIXED_READS_NEW in r["error"], (rank, r["error"])
         assert r["loaded"] is None
@@ -302,8 +274,8 @@ def test_unfixed_release_cannot_read_new_layout_rng(new_ckpt):
 def test_unfixed_release_loads_new_layout_with_no_load_rng(new_ckpt):
     """The way past it without the fix: --no-load-rng loads everything else and keeps the fresh RNG."""
     d, _ = new_ckpt
-    for rank, r in enumerate(_ok(_world("load_only", False, d, no_load_rng=True))):
-        assert _same(r["loaded"], r["before"]) and r["warnings"] == [], rank
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", False, d, no_load_rng=True))):
+        assert RNG.same(r["loaded"], r["before"]) and r["warnings"] == [], rank
 
 
 def test_request_follows_the_stored_layout(new_ckpt, old_ckpt):
@@ -311,7 +283,7 @@ def test_request_follows_the_stored_layout(new_ckpt, old_ckpt):
     data-parallel resize or an old checkpoint brings (the worlds above cover the same-size cases)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from mcore_ckpt_fixes.fixes.rng_under_ep.old_layouts import align_rng_request
+    from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.old_layouts import align_rng_request
 
     new_dir, old_dir = (str(new_ckpt[0] / "iter_0000001"), str(old_ckpt[0] / "iter_0000001"))
 
@@ -339,10 +311,10 @@ _SOURCE_LOAD = r"""
 import os, pickle, sys
 import megatron
 assert megatron.__path__[0] == os.environ["PATCHED_MEGATRON"], megatron.__path__
-from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import prepare
 prepare()
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-results = values(run_world("mcore_ckpt_fixes.fixes.rng_under_ep.round_trips:load_only", 2,
+results = values(run_world("mcore_ckpt_fixes.fixes.rng_under_ep.checks.core:load_only", 2,
                            {"ckpt_dir": os.environ["CKPT_DIR"], "patched": False},
                            env={"MCORE_CKPT_FIXES": "off"}, timeout=180))
 with open(os.environ["RESULT"], "wb") as f:
@@ -379,11 +351,11 @@ def test_source_patch_reads_old_layout(old_ckpt, tmp_path, mcore_version):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "result.pkl", "rb") as f:
         results = pickle.load(f)
-    for rank, r in enumerate(_ok(results)):
+    for rank, r in enumerate(RNG.ok(results)):
         assert r["fix_state"] == {"megatron.training.checkpointing": "disabled"}, r["fix_state"]
         assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("UserWarning: "), r["warnings"]
         assert OLD_LAYOUT in r["warnings"][0] and f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0], r["warnings"]
-        assert _same(r["loaded"], saved[0]), rank
+        assert RNG.same(r["loaded"], saved[0]), rank
 
 
 # -- fsdp_dtensor (Megatron-FSDP users' format): the same bug in the plain RNG entry ----------------
@@ -398,9 +370,9 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(tmp_path, mcore_version):
     """One entry per (pp, tp): DCP keeps one copy of each leaf, the tensors from one rank and the
     objects from the other, so neither rank gets its own states back."""
     _need_training(mcore_version)
-    r0, r1 = _world("ep2_fsdp_dtensor", False, tmp_path)
+    r0, r1 = RNG.world("ep2_fsdp_dtensor", False, tmp_path)
     saved = [r0["saved"], r1["saved"]]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     assert r0["layout"] == ["(0, 0)"] and r1["layout"] == ["(0, 0)"], (r0["layout"], r1["layout"])
     for rank, r in enumerate((r0, r1)):
         assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
@@ -409,8 +381,11 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(tmp_path, mcore_version):
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
         # Every component is one of the two ranks' saved states, and some are the other rank's.
         for k in COMPONENTS:
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert any(_delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert any(RNG.delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
     from mcore_ckpt_fixes.testing import Bug
 
     assert Bug.wrong_values().seen_in([r0, r1])
@@ -418,56 +393,64 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(tmp_path, mcore_version):
 
 def test_fsdp_dtensor_patched_round_trip_is_exact(tmp_path, mcore_version):
     _need_training(mcore_version)
-    results = _ok(_world("ep2_fsdp_dtensor", True, tmp_path))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("ep2_fsdp_dtensor", True, tmp_path))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]  # the release's entry + this rank's own
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert _same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0 and r["warnings"] == []
+        assert RNG.same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0 and r["warnings"] == []
 
 
 @pytest.fixture(scope="module")
 def fsdp_old_ckpt(tmp_path_factory, mcore_version):
     _need_training(mcore_version)
     d = tmp_path_factory.mktemp("rng-fsdp-old")
-    return d, [r["saved"] for r in _ok(_world("save_only", False, d, ckpt_format="fsdp_dtensor"))]
+    return d, [r["saved"] for r in RNG.ok(RNG.world("save_only", False, d, ckpt_format="fsdp_dtensor"))]
 
 
 @pytest.fixture(scope="module")
 def fsdp_new_ckpt(tmp_path_factory, mcore_version):
     _need_training(mcore_version)
     d = tmp_path_factory.mktemp("rng-fsdp-new")
-    return d, [r["saved"] for r in _ok(_world("save_only", True, d, ckpt_format="fsdp_dtensor"))]
+    return d, [r["saved"] for r in RNG.ok(RNG.world("save_only", True, d, ckpt_format="fsdp_dtensor"))]
 
 
 def test_fsdp_dtensor_old_layout_loads_patched_with_warning(fsdp_old_ckpt):
     """What an unfixed release wrote: the fixed load restores the shared copy, as the unfixed load
     does (the same values on both ranks), and says so, naming the old layout."""
     d, saved = fsdp_old_ckpt
-    _ranks_differ(saved)
-    fixed = _ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))
-    unfixed = _world("load_only", False, d, ckpt_format="fsdp_dtensor")
+    RNG.ranks_differ(saved)
+    fixed = RNG.ok(RNG.world("load_only", True, d, ckpt_format="fsdp_dtensor"))
+    unfixed = RNG.world("load_only", False, d, ckpt_format="fsdp_dtensor")
     for rank, (r, u) in enumerate(zip(fixed, unfixed)):
         assert len(r["warnings"]) == 1, r["warnings"]
         (w,) = r["warnings"]
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and FSDP_OLD_LAYOUT in w, w
         assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
-        assert u["error"] is None and _same(r["loaded"], u["loaded"]), rank
+        assert u["error"] is None and RNG.same(r["loaded"], u["loaded"]), rank
         # The shared copy is what was saved: every component one of the two ranks' saved states,
         # restored from the checkpoint, not the fresh states kept.
         for k in COMPONENTS:
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert not _same(r["loaded"], r["before"]), rank
-    assert _same(fixed[0]["loaded"], fixed[1]["loaded"])  # one copy, on both ranks
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert not RNG.same(r["loaded"], r["before"]), rank
+    assert RNG.same(fixed[0]["loaded"], fixed[1]["loaded"])  # one copy, on both ranks
 
 
 def test_fsdp_dtensor_new_layout_loads_after_restart_and_on_an_unfixed_release(fsdp_new_ckpt):
     """Written with the fix: the fixed load restores every rank's own states; an unfixed release
     reads it as it reads its own checkpoints (the release's entry is kept), never failing."""
     d, saved = fsdp_new_ckpt
-    _ranks_differ(saved)
-    for rank, r in enumerate(_ok(_world("load_only", True, d, ckpt_format="fsdp_dtensor"))):
-        assert not _same(r["before"], saved[rank]) and _same(r["loaded"], saved[rank]) and r["warnings"] == [], rank
-    for rank, r in enumerate(_ok(_world("load_only", False, d, ckpt_format="fsdp_dtensor"))):
+    RNG.ranks_differ(saved)
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, d, ckpt_format="fsdp_dtensor"))):
+        assert not RNG.same(r["before"], saved[rank]) and RNG.same(r["loaded"], saved[rank]) and r["warnings"] == [], (
+            rank
+        )
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", False, d, ckpt_format="fsdp_dtensor"))):
         for k in COMPONENTS:
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )

@@ -4,7 +4,7 @@ Real: Megatron-Bridge (installed from tools/frameworks/megatron-bridge.txt) and 
 ``get_rng_state``, ``save_checkpoint``, ``load_checkpoint`` / ``load_fsdp_dtensor_checkpoint`` with a
 real Bridge ``ConfigContainer`` / ``GlobalState``, Bridge's own seeding, a small real Megatron-Core
 ``GPTModel`` with one local expert per EP rank, DCP / dist_checkpointing, 2 forked ranks on gloo,
-EP=2 (TP=PP=1, DP=2). What each world does: mcore_ckpt_fixes/fixes/rng_under_ep/bridge_round_trips.py.
+EP=2 (TP=PP=1, DP=2). What each world does: mcore_ckpt_fixes/fixes/rng_under_ep/checks/bridge.py.
 
 The bug is Bridge's ``fsdp_dtensor`` RNG entry, keyed ``"(pp, tp)"`` only: DCP keeps one copy of
 each of its leaves, written by different ranks, so both EP ranks restore a mix of the two ranks'
@@ -37,11 +37,11 @@ import pytest
 
 from framework_import import import_framework
 from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from rng_worlds import RngWorlds
 
 FRAMEWORK = "megatron-bridge"
 BRIDGE = "megatron.bridge.training.checkpointing"
-RT = "mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips"
+RT = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge"
 COMPONENTS = {
     "python",
     "numpy",
@@ -75,41 +75,13 @@ def bridge():
 
     install_transformer_engine_stand_in_for_bridge()
     module = import_framework(FRAMEWORK, BRIDGE)
-    from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips import prepare
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge import prepare
 
     prepare()
     return module
 
 
-def _world(func, patched, ckpt_dir, **kwargs):
-    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(
-        run_world(f"{RT}:{func}", 2, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=180)
-    )
-
-
-def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
-
-    return delta(a, b)
-
-
-def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
-
-    return same_states(a, b, COMPONENTS)
-
-
-def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
-
-    assert_ranks_differ(saved, COMPONENTS)
-
-
-def _ok(results):
-    for rank, r in enumerate(results):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
-    return results
+RNG = RngWorlds(RT, COMPONENTS, timeout=180)
 
 
 def _is_the_shared_copy(results, saved):
@@ -117,9 +89,9 @@ def _is_the_shared_copy(results, saved):
     one copy of each leaf), and at least one rank got a component of the other rank's."""
     for k in COMPONENTS:
         loaded = [r["loaded"][k] for r in results]
-        assert _delta(loaded[0], loaded[1]) == 0.0, k
-        assert _delta(loaded[0], saved[0][k]) == 0.0 or _delta(loaded[0], saved[1][k]) == 0.0, k
-    assert any(not _same(r["loaded"], saved[rank]) for rank, r in enumerate(results))
+        assert RNG.delta(loaded[0], loaded[1]) == 0.0, k
+        assert RNG.delta(loaded[0], saved[0][k]) == 0.0 or RNG.delta(loaded[0], saved[1][k]) == 0.0, k
+    assert any(not RNG.same(r["loaded"], saved[rank]) for rank, r in enumerate(results))
 
 
 # -- status, probe, flag ------------------------------------------------------------------------------
@@ -130,7 +102,7 @@ import mcore_ckpt_fixes
 from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
 install_transformer_engine_stand_in_for_bridge()
 import megatron.bridge.training.checkpointing as m
-from mcore_ckpt_fixes.fixes.rng_under_ep import bridge as f
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import bridge as f
 
 def row():
     r = {r["id"]: r for r in mcore_ckpt_fixes.report()}["rng-under-ep"]
@@ -166,12 +138,12 @@ def test_status_applied_and_flag_off():
 def test_torch_dist_is_per_rank_unpatched(tmp_path):
     """Bridge's own torch_dist RNG ShardedObject is (pp, tp, dp_cp) with replica_id=0 under EP: with
     the fix off every EP rank restores exactly its own states, EP rank 1 its expert stream included."""
-    results = _ok(_world("ep2_round_trip", False, tmp_path, ckpt_format="torch_dist"))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("ep2_round_trip", False, tmp_path, ckpt_format="torch_dist"))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ([1, 1, 2], [0, 0, rank], 0), r["layout"]
         assert r["fix_state"] == {BRIDGE: "disabled"}, r["fix_state"]
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]), r["max_delta"]
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]), r["max_delta"]
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
 
 
@@ -182,14 +154,14 @@ def test_torch_dist_is_per_rank_unpatched(tmp_path):
 def unpatched_fsdp(tmp_path_factory):
     """Bridge's fsdp_dtensor round trip with the fix off; its checkpoint (the old layout) stays."""
     d = tmp_path_factory.mktemp("bridge-rng-fsdp-old")
-    return d, _world("ep2_round_trip", False, d)
+    return d, RNG.world("ep2_round_trip", False, d)
 
 
 @pytest.fixture(scope="module")
 def patched_fsdp(tmp_path_factory):
     """The same with the fix on; its checkpoint (with every rank's own entry) stays."""
     d = tmp_path_factory.mktemp("bridge-rng-fsdp-new")
-    return d, _world("ep2_round_trip", True, d)
+    return d, RNG.world("ep2_round_trip", True, d)
 
 
 def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(unpatched_fsdp):
@@ -197,7 +169,7 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(unpatched_fsdp):
     two ranks' (not even one rank's whole state), so an EP rank resumes on the other's streams."""
     _, results = unpatched_fsdp
     saved = [r["saved"] for r in results]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     for rank, r in enumerate(results):
         assert r["layout"] == ["(0, 0)"], r["layout"]
         assert r["fix_state"] == {BRIDGE: "disabled"}, r["fix_state"]
@@ -208,20 +180,20 @@ def test_fsdp_dtensor_unpatched_ranks_restore_a_mix(unpatched_fsdp):
     _is_the_shared_copy(results, saved)
     # The expert-parallel tracker stream: one EP rank restores the other EP rank's.
     experts = [r["loaded"][EXPERT] for r in results]
-    owner = 0 if _delta(experts[0], saved[0][EXPERT]) == 0.0 else 1
-    assert _delta(experts[1 - owner], saved[owner][EXPERT]) == 0.0
-    assert _delta(experts[1 - owner], saved[1 - owner][EXPERT]) != 0.0
+    owner = 0 if RNG.delta(experts[0], saved[0][EXPERT]) == 0.0 else 1
+    assert RNG.delta(experts[1 - owner], saved[owner][EXPERT]) == 0.0
+    assert RNG.delta(experts[1 - owner], saved[1 - owner][EXPERT]) != 0.0
 
 
 def test_fsdp_dtensor_patched_round_trip_is_exact(patched_fsdp):
     _, results = patched_fsdp
-    results = _ok(results)
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(results)
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]  # the release's entry + this rank's own
         assert r["fix_state"] == {BRIDGE: "applied"}, r["fix_state"]
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert _same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0 and r["warnings"] == []
+        assert RNG.same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0 and r["warnings"] == []
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["partial-load", "strict-load"])
@@ -231,13 +203,13 @@ def test_old_layout_loads_patched_with_warning(unpatched_fsdp, strict):
     would refuse the per-rank entry the checkpoint lacks had the fix asked for it."""
     d, unpatched = unpatched_fsdp
     saved = [r["saved"] for r in unpatched]
-    results = _ok(_world("load_only", True, d, strict=strict))
+    results = RNG.ok(RNG.world("load_only", True, d, strict=strict))
     for rank, r in enumerate(results):
         assert len(r["warnings"]) == 1, r["warnings"]
         (w,) = r["warnings"]
         assert w.startswith(f"MegatronPatchWarning: mcore_ckpt_fixes: {FIX.id}: ") and OLD_LAYOUT in w, w
         assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
-        assert _same(r["loaded"], unpatched[rank]["loaded"]), rank  # what the unfixed load restored
+        assert RNG.same(r["loaded"], unpatched[rank]["loaded"]), rank  # what the unfixed load restored
     _is_the_shared_copy(results, saved)
 
 
@@ -245,7 +217,7 @@ def test_unfixed_bridge_reads_a_fixed_checkpoint(patched_fsdp):
     """The release's "(pp, tp)" entry is kept: unfixed Bridge loads a fixed checkpoint as its own
     (the shared copy, as always), never failing."""
     d, patched = patched_fsdp
-    results = _ok(_world("load_only", False, d))
+    results = RNG.ok(RNG.world("load_only", False, d))
     for r in results:
         assert r["fix_state"] == {BRIDGE: "disabled"} and r["warnings"] == []
     _is_the_shared_copy(results, [r["saved"] for r in patched])
@@ -255,15 +227,15 @@ def test_unfixed_bridge_reads_a_fixed_checkpoint(patched_fsdp):
 
 _SOURCE = r"""
 import json, os, pickle, sys
-from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge import prepare
 prepare()
 import megatron.bridge
 assert megatron.bridge.__path__[0] == os.environ["PATCHED_BRIDGE"], megatron.bridge.__path__
 import megatron.bridge.training.checkpointing as m
-from mcore_ckpt_fixes.fixes.rng_under_ep.bridge import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.bridge import probe
 verdict, reason = probe(m)
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-RT = "mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips"
+RT = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge"
 off = {"MCORE_CKPT_FIXES": "off"}
 round_trip = values(run_world(RT + ":ep2_round_trip", 2, {"ckpt_dir": os.environ["NEW_DIR"], "patched": False},
                               env=off, timeout=180))
@@ -303,19 +275,19 @@ def test_source_patch(unpatched_fsdp, tmp_path, bridge):
         out = pickle.load(f)
     verdict, reason = out["probe"]
     assert verdict is False, reason
-    for rank, r in enumerate(_ok(out["round_trip"])):
+    for rank, r in enumerate(RNG.ok(out["round_trip"])):
         assert r["fix_state"] == {BRIDGE: "disabled"}, r["fix_state"]
         assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]), r["max_delta"]
-    for rank, r in enumerate(_ok(out["old"])):
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]), r["max_delta"]
+    for rank, r in enumerate(RNG.ok(out["old"])):
         assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("UserWarning: "), r["warnings"]
         assert OLD_LAYOUT in r["warnings"][0] and f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0], r["warnings"]
-        assert _same(r["loaded"], unpatched[rank]["loaded"]), rank
+        assert RNG.same(r["loaded"], unpatched[rank]["loaded"]), rank
 
 
 def test_patch_is_current():
     """The committed diff is what bridge_upstream.source_edits renders from the released file."""
-    from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_upstream import PATH, source_edits
+    from mcore_ckpt_fixes.fixes.rng_under_ep.diff.bridge import PATH, source_edits
     from mcore_ckpt_fixes.sourcediff import render
 
     import megatron.bridge.training.checkpointing as m

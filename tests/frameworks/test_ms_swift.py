@@ -2,7 +2,7 @@
 own ``initialize_megatron`` / ``save_mcore_checkpoint`` / ``load_mcore_checkpoint``.
 
 World 2, EP=2 (TP=PP=1), gloo on CPU, a small real GPTModel with one local expert per EP rank: see
-mcore_ckpt_fixes/fixes/rng_under_ep/ms_swift_round_trips.py for what each world does and the
+mcore_ckpt_fixes/fixes/rng_under_ep/checks/ms_swift.py for what each world does and the
 stand-ins its workers use (CPU generator for CUDA's, CPU buffers for the fully parallel load's
 exchange, and an empty ``transformer_engine`` package around ``mcore_bridge``'s import only:
 mcore-bridge 1.6.5 imports Transformer Engine unconditionally, and it cannot be installed on a CPU
@@ -25,11 +25,11 @@ from importlib import metadata
 
 import pytest
 
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from rng_worlds import RngWorlds
 
 NAME = "ms-swift"
 MODULE = "swift.megatron.utils.megatron_lm_utils"
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift"
 COMPONENTS = {
     "python",
     "numpy",
@@ -62,45 +62,17 @@ def ms_swift():
     import megatron.core.dist_checkpointing  # noqa: F401
 
 
-def _world(func, patched, ckpt_dir, **kwargs):
-    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(
-        run_world(f"{SC}:{func}", 2, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=240)
-    )
-
-
-def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
-
-    return delta(a, b)
-
-
-def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
-
-    return same_states(a, b, COMPONENTS)
-
-
-def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
-
-    assert_ranks_differ(saved, COMPONENTS)
-
-
-def _ok(results):
-    for rank, r in enumerate(results):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
-    return results
+RNG = RngWorlds(SC, COMPONENTS, timeout=240)
 
 
 # -- probe and status (subprocesses: ms-swift imported there, with the Transformer Engine stand-in) --
 
 _STATUS = """
 import json, mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips import import_swift
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift import import_swift
 m = import_swift()
 row = {r["id"]: r for r in mcore_ckpt_fixes.report()}["rng-under-ep"]
-from mcore_ckpt_fixes.fixes.rng_under_ep import ms_swift as f
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import ms_swift as f
 bound = {"get_rng_state": m._get_rng_state is f.get_rng_state,
          "dist_checkpointing": m.dist_checkpointing is f.DIST_CHECKPOINTING,
          "select_rng_state": m.fsdp_checkpoint.select_rng_state is f.select_rng_state}
@@ -144,19 +116,19 @@ def test_flag_off_disables_the_ms_swift_target():
 def unpatched(tmp_path_factory):
     """The unfixed round trip; its checkpoint is the old 2-D layout, loaded again below."""
     d = tmp_path_factory.mktemp("swift-rng-old")
-    return d, _world("ep2_round_trip", False, d)
+    return d, RNG.world("ep2_round_trip", False, d)
 
 
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
     d = tmp_path_factory.mktemp("swift-rng-new")
-    return d, _ok(_world("ep2_round_trip", True, d))
+    return d, RNG.ok(RNG.world("ep2_round_trip", True, d))
 
 
 def test_unpatched_ep_rank1_restores_rank0(unpatched):
     _, (r0, r1) = unpatched
     saved = [r0["saved"], r1["saved"]]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
     assert r0["fix_state"] == {MODULE: "disabled"}
     assert r0["error"] is None and set(r0["max_delta"].values()) == {0.0}, r0["max_delta"]
@@ -164,18 +136,18 @@ def test_unpatched_ep_rank1_restores_rank0(unpatched):
         "error"
     ]
     # EP rank 1 resumes on EP rank 0's states, the expert-parallel tracker stream included.
-    assert _delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[0]["tracker:expert-parallel-rng"]) == 0.0
-    assert _same(r1["loaded"], saved[0]), {k: _delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
+    assert RNG.delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[0]["tracker:expert-parallel-rng"]) == 0.0
+    assert RNG.same(r1["loaded"], saved[0]), {k: RNG.delta(r1["loaded"][k], saved[0][k]) for k in COMPONENTS}
     assert r0["model_max_delta"] == 0.0 and r1["model_max_delta"] == 0.0
 
 
 def test_patched_round_trip_is_exact(patched):
     _, results = patched
-    _ranks_differ([r["saved"] for r in results])
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ([1, 1, 2], [0, 0, rank], 0), r["layout"]
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert _same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0
+        assert RNG.same(r["loaded"], r["saved"]) and r["model_max_delta"] == 0.0
         assert r["fix_state"] == {MODULE: "applied"} and r["warnings"] == []
 
 
@@ -184,12 +156,12 @@ def test_old_layout_loads_patched_with_warning(unpatched):
     own), and each is told so, naming the old layout."""
     d, results = unpatched
     saved = [r["saved"] for r in results]
-    for rank, r in enumerate(_ok(_world("load_only", True, d))):
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, d))):
         assert len(r["warnings"]) == 1, r["warnings"]
         (w,) = r["warnings"]
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and OLD_LAYOUT in w, w
         assert f"this rank (pp 0, tp 0, dp_cp {rank}) restores that copy" in w, w
-        assert _same(r["loaded"], saved[0]), rank
+        assert RNG.same(r["loaded"], saved[0]), rank
 
 
 # -- fsdp_dtensor (--use_megatron_fsdp; the model is not wrapped: its CUDA buffers need a GPU) ------
@@ -197,9 +169,9 @@ def test_old_layout_loads_patched_with_warning(unpatched):
 
 def test_fsdp_dtensor_unpatched_and_patched(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
-    r0, r1 = _world("ep2_round_trip", False, old, fsdp_dtensor=True)
+    r0, r1 = RNG.world("ep2_round_trip", False, old, fsdp_dtensor=True)
     saved = [r0["saved"], r1["saved"]]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     assert r0["layout"] == ["(0, 0)"] and r1["layout"] == ["(0, 0)"]
     # One (pp, tp) entry, DCP keeps one copy of each leaf: both ranks restore that mix of the two
     # ranks' saved states, and neither gets all of its own back.
@@ -209,36 +181,42 @@ def test_fsdp_dtensor_unpatched_and_patched(tmp_path):
         ]
         assert r["model_max_delta"] == 0.0 and r["warnings"] == []
         for k in COMPONENTS:  # every component one of the two ranks' states, some the other rank's
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert any(_delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
-    assert _same(r0["loaded"], r1["loaded"])  # one mix, on both ranks
-    for rank, r in enumerate(_ok(_world("ep2_round_trip", True, new, fsdp_dtensor=True))):
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert any(RNG.delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
+    assert RNG.same(r0["loaded"], r1["loaded"])  # one mix, on both ranks
+    for rank, r in enumerate(RNG.ok(RNG.world("ep2_round_trip", True, new, fsdp_dtensor=True))):
         assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]) and r["warnings"] == []
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]) and r["warnings"] == []
     # The old checkpoint, loaded with the fix: the shared copy (each component one of the saved
     # states, restored from the checkpoint, not the fresh states kept), with the old-layout warning.
-    for rank, r in enumerate(_ok(_world("load_only", True, old, fsdp_dtensor=True))):
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, old, fsdp_dtensor=True))):
         assert len(r["warnings"]) == 1 and FSDP_OLD_LAYOUT in r["warnings"][0], r["warnings"]
         assert f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0], r["warnings"]
         for k in COMPONENTS:
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert not _same(r["loaded"], r["before"]), rank
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert not RNG.same(r["loaded"], r["before"]), rank
 
 
 # -- the source patch (patches/rng-under-ep/ms-swift-4.6.0.patch), monkeypatch off -----------------
 
 _SOURCE_RUN = r"""
 import json, os, pickle, sys
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips import import_swift
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift import import_swift
 import megatron.core.models.gpt
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift"
 off = {"MCORE_CKPT_FIXES": "off"}
 new = values(run_world(SC + ":ep2_round_trip", 2, {"ckpt_dir": os.environ["NEW_DIR"], "patched": False}, env=off, timeout=240))
 old = values(run_world(SC + ":load_only", 2, {"ckpt_dir": os.environ["OLD_DIR"], "patched": False}, env=off, timeout=240))
 m = import_swift()  # after the worlds: this parent stays unpatched by ms-swift's import meanwhile
 assert m.__file__.startswith(os.environ["PATCHED"]), m.__file__
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.ms_swift import probe
 verdict, why = probe(m)
 with open(os.environ["RESULT"], "wb") as f:
     pickle.dump({"new": new, "old": old, "probe": (verdict, why)}, f)
@@ -274,11 +252,11 @@ def test_source_patch_round_trips_with_the_monkeypatch_off(unpatched, tmp_path):
     with open(tmp_path / "result.pkl", "rb") as f:
         got = pickle.load(f)
     assert got["probe"][0] is False, got["probe"]
-    for rank, r in enumerate(_ok(got["new"])):
+    for rank, r in enumerate(RNG.ok(got["new"])):
         assert r["layout"] == ([1, 1, 2], [0, 0, rank], 0) and r["fix_state"] == {MODULE: "disabled"}
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]), r["max_delta"]
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]), r["max_delta"]
     saved_old = [r["saved"] for r in old_results]
-    for rank, r in enumerate(_ok(got["old"])):
+    for rank, r in enumerate(RNG.ok(got["old"])):
         assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("UserWarning: "), r["warnings"]
         assert OLD_LAYOUT in r["warnings"][0] and f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0]
-        assert _same(r["loaded"], saved_old[0]), rank
+        assert RNG.same(r["loaded"], saved_old[0]), rank

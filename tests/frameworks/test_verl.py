@@ -11,7 +11,7 @@ data-parallel group of 4). Each rank builds a real ``MegatronCheckpointManager``
 ``save_contents = load_contents = ["extra"]`` and calls verl's own ``save_checkpoint`` /
 ``load_checkpoint``: ``get_rng_state`` -> ``save_dist_checkpointing`` into ``extra/dist_ckpt`` ->
 ``load_dist_checkpointing`` -> ``load_rng_states``. Stand-ins in the worlds' ranks only, never in
-``import mcore_ckpt_fixes`` (see mcore_ckpt_fixes/fixes/rng_under_ep/verl_round_trips.py): one CPU
+``import mcore_ckpt_fixes`` (see mcore_ckpt_fixes/fixes/rng_under_ep/checks/verl.py): one CPU
 generator plays CUDA's (Megatron's RNG tracker needs one); a config / transformer-config namespace for
 what the constructor and rank 0's JSON dump read; for Megatron-FSDP, a stand-in
 ``megatron.bridge.training.checkpointing`` doing Megatron-Bridge 0.6.2's DCP save / partial-load
@@ -40,13 +40,13 @@ import sys
 import pytest
 
 from framework_import import import_framework
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from rng_worlds import RngWorlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NAME = "verl"
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl"
 COMPONENTS = {
     "python",
     "numpy",
@@ -67,42 +67,12 @@ def verl():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import_framework(NAME, MODULE)
-    from mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips import prepare
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl import prepare
 
     prepare()
 
 
-def _world(func, patched, ckpt_dir, nproc=2, **kwargs):
-    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(
-        run_world(
-            f"{SC}:{func}", nproc, {"ckpt_dir": str(ckpt_dir), "patched": patched, **kwargs}, env=env, timeout=240
-        )
-    )
-
-
-def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
-
-    return delta(a, b)
-
-
-def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
-
-    return same_states(a, b, COMPONENTS)
-
-
-def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
-
-    assert_ranks_differ(saved, COMPONENTS)
-
-
-def _ok(results):
-    for rank, r in enumerate(results):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
-    return results
+RNG = RngWorlds(SC, COMPONENTS, timeout=240)
 
 
 # -- status and probe -------------------------------------------------------------------------------
@@ -143,7 +113,7 @@ def test_status_applied_and_flag_off():
     assert on["target"]["state"] == "applied", on
     assert "keys the torch_dist RNG state by (pp, tp) only" in on["target"]["reason"], on
     assert "both address rng_state/shard_0.0_1.1 and rank 1 is a replica (replica_id=1)" in on["target"]["reason"], on
-    assert on["method"] == on["load"] == "mcore_ckpt_fixes.fixes.rng_under_ep.verl", on
+    assert on["method"] == on["load"] == "mcore_ckpt_fixes.fixes.rng_under_ep.runtime.verl", on
     off = _row(code, {"MCORE_CKPT_FIX_RNG_UNDER_EP": "off"})
     assert off["state"] == "disabled" and off["target"] is None, off
     assert off["method"] == MODULE and off["load"] == "verl.utils.megatron.dist_checkpointing", off
@@ -164,95 +134,101 @@ def test_status_applied_and_flag_off():
 
 
 def test_unpatched_ep_rank1_restores_rank0(tmp_path):
-    r0, r1 = _world("round_trip", False, tmp_path)
+    r0, r1 = RNG.world("round_trip", False, tmp_path)
     saved = [r0["saved"], r1["saved"]]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     assert r0["layout"] == ([1, 1], [0, 0], 0) and r1["layout"] == ([1, 1], [0, 0], 1), (r0["layout"], r1["layout"])
     assert r0["error"] is None and set(r0["max_delta"].values()) == {0.0}, r0["max_delta"]
     assert r1["phase"] == "compare" and r1["error"].startswith("AssertionError: RNG states differ after load"), r1[
         "error"
     ]
     # EP rank 1 resumes on EP rank 0's states, the expert-parallel tracker stream included.
-    assert _same(r1["loaded"], saved[0])
-    assert _delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[1]["tracker:expert-parallel-rng"]) != 0.0
+    assert RNG.same(r1["loaded"], saved[0])
+    assert RNG.delta(r1["loaded"]["tracker:expert-parallel-rng"], saved[1]["tracker:expert-parallel-rng"]) != 0.0
     assert r0["warnings"] == [] and r1["warnings"] == []
 
 
 def test_patched_round_trip_is_exact(tmp_path):
-    results = _ok(_world("round_trip", True, tmp_path))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("round_trip", True, tmp_path))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ([1, 1, 2], [0, 0, rank], 0), r["layout"]
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert not _same(r["before"], r["saved"]) and _same(r["loaded"], r["saved"])
+        assert not RNG.same(r["before"], r["saved"]) and RNG.same(r["loaded"], r["saved"])
         assert r["fix_state"] == {MODULE: "applied"} and r["warnings"] == []
 
 
 def test_patched_ep2_dp4_four_ranks(tmp_path):
     """EP=2 x DP=2 on 4 ranks (data-parallel group of 4, two EP groups): every rank its own state."""
-    results = _ok(_world("round_trip", True, tmp_path, nproc=4))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("round_trip", True, tmp_path, nproc=4))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ([1, 1, 4], [0, 0, rank], 0), r["layout"]
-        assert set(r["max_delta"].values()) == {0.0} and _same(r["loaded"], r["saved"]), (rank, r["max_delta"])
+        assert set(r["max_delta"].values()) == {0.0} and RNG.same(r["loaded"], r["saved"]), (rank, r["max_delta"])
 
 
 @pytest.fixture(scope="module")
 def old_ckpt(tmp_path_factory):
     """A checkpoint in verl's unfixed 2-D layout (fix off)."""
     d = tmp_path_factory.mktemp("verl-rng-old")
-    return d, [r["saved"] for r in _ok(_world("save_only", False, d))]
+    return d, [r["saved"] for r in RNG.ok(RNG.world("save_only", False, d))]
 
 
 def test_old_layout_loads_patched_with_warning(old_ckpt):
     d, saved = old_ckpt
-    _ranks_differ(saved)
-    for rank, r in enumerate(_ok(_world("load_only", True, d))):
+    RNG.ranks_differ(saved)
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, d))):
         assert len(r["warnings"]) == 1, r["warnings"]
         (w,) = r["warnings"]
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and OLD_LAYOUT in w, w
         assert f"this rank (pp 0, tp 0, dp_cp {rank}) restores that copy" in w and "extra/dist_ckpt" in w, w
-        assert _same(r["loaded"], saved[0]), rank  # the one copy there is
+        assert RNG.same(r["loaded"], saved[0]), rank  # the one copy there is
 
 
 # -- Megatron-FSDP (use_megatron_fsdp) --------------------------------------------------------------
 
 
 def test_fsdp_unpatched_ranks_restore_a_mix(tmp_path):
-    r0, r1 = _world("round_trip", False, tmp_path, use_megatron_fsdp=True)
+    r0, r1 = RNG.world("round_trip", False, tmp_path, use_megatron_fsdp=True)
     saved = [r0["saved"], r1["saved"]]
-    _ranks_differ(saved)
+    RNG.ranks_differ(saved)
     assert r0["layout"] == r1["layout"] == ["(0, 0)"]
     for rank, r in enumerate((r0, r1)):
         assert r["phase"] == "compare" and r["error"].startswith("AssertionError: RNG states differ after load"), r[
             "error"
         ]
         for k in COMPONENTS:  # every component one of the two ranks' states, some the other rank's
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert any(_delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert any(RNG.delta(r["loaded"][k], saved[rank][k]) != 0.0 for k in COMPONENTS), rank
 
 
 def test_fsdp_patched_round_trip_is_exact(tmp_path):
-    results = _ok(_world("round_trip", True, tmp_path, use_megatron_fsdp=True))
-    _ranks_differ([r["saved"] for r in results])
+    results = RNG.ok(RNG.world("round_trip", True, tmp_path, use_megatron_fsdp=True))
+    RNG.ranks_differ([r["saved"] for r in results])
     for rank, r in enumerate(results):
         assert r["layout"] == ["(0, 0)", f"(0, 0, {rank})"], r["layout"]
         assert set(r["max_delta"]) == COMPONENTS and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
-        assert _same(r["loaded"], r["saved"]) and r["warnings"] == []
+        assert RNG.same(r["loaded"], r["saved"]) and r["warnings"] == []
 
 
 def test_fsdp_old_layout_loads_patched_with_warning(tmp_path):
     """Saved by unfixed verl: the fixed load restores the shared copy (as unfixed verl does) and says
     so, naming the old layout, never silently keeping the template's state."""
-    saved = [r["saved"] for r in _ok(_world("save_only", False, tmp_path, use_megatron_fsdp=True))]
-    for rank, r in enumerate(_ok(_world("load_only", True, tmp_path, use_megatron_fsdp=True))):
+    saved = [r["saved"] for r in RNG.ok(RNG.world("save_only", False, tmp_path, use_megatron_fsdp=True))]
+    for rank, r in enumerate(RNG.ok(RNG.world("load_only", True, tmp_path, use_megatron_fsdp=True))):
         assert len(r["warnings"]) == 1, r["warnings"]
         (w,) = r["warnings"]
         assert w.startswith("MegatronPatchWarning: mcore_ckpt_fixes: rng-under-ep: ") and FSDP_OLD_LAYOUT in w, w
         assert f"(pp 0, tp 0, dp_cp {rank})" in w, w
         for k in COMPONENTS:
-            assert _delta(r["loaded"][k], saved[0][k]) == 0.0 or _delta(r["loaded"][k], saved[1][k]) == 0.0, (rank, k)
-        assert not _same(r["loaded"], r["before"]), rank  # restored from the checkpoint, not kept
+            assert RNG.delta(r["loaded"][k], saved[0][k]) == 0.0 or RNG.delta(r["loaded"][k], saved[1][k]) == 0.0, (
+                rank,
+                k,
+            )
+        assert not RNG.same(r["loaded"], r["before"]), rank  # restored from the checkpoint, not kept
 
 
 # -- the source patch (patches/rng-under-ep/verl-0.9.1.patch) ---------------------------------------
@@ -263,12 +239,12 @@ warnings.simplefilter("ignore")
 import verl
 assert verl.__path__[0] == os.environ["PATCHED_VERL"], verl.__path__
 import verl.utils.checkpoint.megatron_checkpoint_manager as m
-from mcore_ckpt_fixes.fixes.rng_under_ep.verl import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.verl import probe
 verdict, why = probe(m)
-from mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl import prepare
 prepare()
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl"
 off = {"MCORE_CKPT_FIXES": "off"}
 out = {"probe": (verdict, why)}
 for fsdp in (False, True):
@@ -307,13 +283,13 @@ def test_source_patch(old_ckpt, tmp_path):
         out = pickle.load(f)
     assert out["probe"][0] is False, out["probe"]
     for fsdp in (False, True):
-        results = _ok(out[f"round_trip-{fsdp}"])
-        _ranks_differ([r["saved"] for r in results])
+        results = RNG.ok(out[f"round_trip-{fsdp}"])
+        RNG.ranks_differ([r["saved"] for r in results])
         for rank, r in enumerate(results):
             assert r["fix_state"] == {MODULE: "disabled"}, r["fix_state"]
             expected = ["(0, 0)", f"(0, 0, {rank})"] if fsdp else ([1, 1, 2], [0, 0, rank], 0)
-            assert r["layout"] == expected and _same(r["loaded"], r["saved"]) and r["warnings"] == [], (fsdp, rank)
-    for rank, r in enumerate(_ok(out["old_layout"])):
+            assert r["layout"] == expected and RNG.same(r["loaded"], r["saved"]) and r["warnings"] == [], (fsdp, rank)
+    for rank, r in enumerate(RNG.ok(out["old_layout"])):
         assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("UserWarning: "), r["warnings"]
         assert OLD_LAYOUT in r["warnings"][0] and f"(pp 0, tp 0, dp_cp {rank})" in r["warnings"][0], r["warnings"]
-        assert _same(r["loaded"], old_ckpt[1][0]), rank
+        assert RNG.same(r["loaded"], old_ckpt[1][0]), rank

@@ -3,8 +3,8 @@
 SRC_ROOT holds the pristine sources (an unpacked wheel: SRC_ROOT/megatron/core/...). RELEASE is a
 Megatron-Core release, or ``<dist>-<version>`` for a framework's own copy of the code (SRC_ROOT then
 holds that framework's unpacked wheel), as the fix's ``source_edits`` accepts. The edits come
-from the fix's upstream-shaped module, ``mcore_ckpt_fixes/fixes/<fix>/upstream.py``
-(``source_edits(release)``); see :mod:`mcore_ckpt_fixes.sourcediff`.
+from the fix's ``diff`` package, ``mcore_ckpt_fixes/fixes/<fix>/diff/`` (``source_edits(release)``,
+which dispatches per target); see :mod:`mcore_ckpt_fixes.sourcediff` and CONTRIBUTING.md.
 """
 
 import importlib
@@ -16,13 +16,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def main(fix_id: str, src_root: str, release: str) -> None:
     sys.path.insert(0, ROOT)
+    sys.stdout.write(render_fix(fix_id, src_root, release))
+
+
+def render_fix(fix_id: str, src_root: str, release: str) -> str:
     pkg = fix_id.replace("-", "_")
-    if not os.path.isfile(os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg, "upstream.py")):
-        raise SystemExit(f"patchgen: no fix {fix_id!r} with an upstream.py (mcore_ckpt_fixes/fixes/{pkg}/upstream.py)")
+    home = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg)
+    if not os.path.isfile(os.path.join(home, "diff", "__init__.py")):
+        raise SystemExit(f"patchgen: no fix {fix_id!r} with a diff package (mcore_ckpt_fixes/fixes/{pkg}/diff/)")
     from mcore_ckpt_fixes.sourcediff import render
 
-    upstream = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.upstream")
-    sys.stdout.write(render(src_root, upstream.source_edits(release)))
+    diff = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.diff")
+    return render(src_root, diff.source_edits(release))
 
 
 if __name__ == "__main__":
