@@ -11,4 +11,5 @@ ORDER = (
     "expert-keys",
     "rng-under-ep",
     "hsdp-ep-guard",
+    "torch-adam-step",
 )
