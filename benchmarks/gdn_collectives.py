@@ -25,7 +25,7 @@ CASES = (  # (tp, layout): the layouts a rank can hold
 
 def main() -> int:
     from mcore_ckpt_fixes.engine.version import detect
-    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.checks.core import prepare
 
     prepare()
     rows = []
@@ -35,7 +35,7 @@ def main() -> int:
                 continue  # upstream hangs or fails here: nothing to count (see the tests)
             per_rank = values(
                 run_world(
-                    "mcore_ckpt_fixes.fixes.gdn_fsdp_split.round_trips:count_collectives",
+                    "mcore_ckpt_fixes.fixes.gdn_fsdp_split.checks.core:count_collectives",
                     2,
                     {"ckpt_dir": "", "patched": True, "tp": tp, "layout": layout, "optimizer": True, "impl": impl},
                     timeout=120,

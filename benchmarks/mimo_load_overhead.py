@@ -53,7 +53,7 @@ def main(n: int) -> int:
     from megatron.core.dist_checkpointing import serialization
 
     from mcore_ckpt_fixes.engine.version import detect
-    from mcore_ckpt_fixes.fixes.mimo_optimizer import old_layouts
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.runtime import old_layouts
 
     upstream = serialization.load  # MCORE_CKPT_FIXES=off is expected: nothing wrapped it
     assert not getattr(upstream, "__mcore_ckpt_fix__", None), "run with MCORE_CKPT_FIXES=off"

@@ -26,7 +26,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         per_rank = values(
             run_world(
-                "mcore_ckpt_fixes.fixes.tp_group.classic_models:save_load_timing",
+                "mcore_ckpt_fixes.fixes.tp_group.checks.classic_models:save_load_timing",
                 2,
                 {"ckpt_dir": d, "repeats": repeats},
                 timeout=600,

@@ -15,7 +15,7 @@ ALLOWED = {
     # Replaces upstream's handle_gdn_in_state_dict (with its nested split_gdn_fused) in
     # fsdp_dtensor_checkpoint.py, in upstream's own structure: the source diff is that function.
     (
-        "mcore_ckpt_fixes/fixes/gdn_fsdp_split/upstream.py",
+        "mcore_ckpt_fixes/fixes/gdn_fsdp_split/runtime/split.py",
         "handle_gdn_in_state_dict",
     ): "mirrors upstream's handle_gdn_in_state_dict",
 }

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from mcore_ckpt_fixes.testing.launcher import run_world
-    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core import prepare
 
     prepare()
     nproc = 4 if args.world4 else 2
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         for i in range(args.runs):
             start = time.monotonic()
             results = run_world(
-                "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip",
+                "mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:round_trip",
                 nproc,
                 {"ckpt_dir": tempfile.mkdtemp(prefix="mimo-stress-"), "patched": True},
                 timeout=args.timeout,

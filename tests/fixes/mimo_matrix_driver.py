@@ -4,7 +4,7 @@ starts it once per release environment (``python mimo_matrix_driver.py JOBS.json
 JOBS.json: ``[{"mode": "save" | "load", "ckpt_dir": str, "patched": bool, "sharding_type": ...}, ...]``
 (``sharding_type``: one inner optimizer type or ``{module: type}``; default ``dp_reshardable``). Each job is one
 world of 2 forked ranks (language on rank 0, vision on rank 1) running
-``mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:save_only`` / ``load_only``, the fix on or off in the
+``mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:save_only`` / ``load_only``, the fix on or off in the
 ranks (``MCORE_CKPT_FIXES=off``). Megatron-Core is imported once here, so every world starts warm.
 OUT.json: per job, the Megatron-Core version and one entry per rank (the scenario's result dict, or
 the rank's traceback when it produced none).
@@ -45,7 +45,7 @@ def _plain(value):
 def main(jobs_path, out_path):
     from mcore_ckpt_fixes.engine.version import detect
     from mcore_ckpt_fixes.testing.launcher import run_world
-    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core import prepare
 
     prepare()
     version = str(detect().version)
@@ -56,7 +56,7 @@ def main(jobs_path, out_path):
         func = {"save": "save_only", "load": "load_only"}[job["mode"]]
         os.makedirs(job["ckpt_dir"], exist_ok=True)
         results = run_world(
-            f"mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:{func}",
+            f"mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:{func}",
             2,
             {
                 "ckpt_dir": job["ckpt_dir"],

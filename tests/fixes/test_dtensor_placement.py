@@ -4,7 +4,7 @@ dist_checkpointing save/load; plus unit tests of the layout computation, bad inp
 
 No stand-ins: MoELayer / SequentialMLP / MLP, FSDP2 and dist_checkpointing are the real ones.
 Megatron's ``TorchFullyShardedDataParallel`` is not called (it hard-codes a CUDA mesh); the
-scenarios do what it does around ``fully_shard`` (see mcore_ckpt_fixes/fixes/dtensor_placement/round_trips.py).
+scenarios do what it does around ``fully_shard`` (see mcore_ckpt_fixes/fixes/dtensor_placement/checks/core.py).
 """
 
 import pytest
@@ -13,8 +13,8 @@ import torch
 from conftest import check_py
 from mcore_ckpt_fixes.engine.probing import Group
 from mcore_ckpt_fixes.fixes.dtensor_placement import FIX
-from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
-from mcore_ckpt_fixes.fixes.dtensor_placement.scenarios import DTP_TP_FSDP
+from mcore_ckpt_fixes.fixes.dtensor_placement.runtime import core as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement.checks.scenarios import DTP_TP_FSDP
 from mcore_ckpt_fixes.testing import for_fix
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
@@ -24,7 +24,7 @@ EXPERT_KEYS = [f"experts.experts.linear_fc{i}.{p}" for i in (1, 2) for p in ("bi
 
 HELPER_KEYS = sorted(
     name
-    for name, _, _ in __import__("mcore_ckpt_fixes.fixes.dtensor_placement.round_trips", fromlist=["x"]).HELPER_CASES
+    for name, _, _ in __import__("mcore_ckpt_fixes.fixes.dtensor_placement.checks.core", fromlist=["x"]).HELPER_CASES
 )
 
 
@@ -55,7 +55,7 @@ def test_registry_declares_every_round_trip(mcore_version):
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    from mcore_ckpt_fixes.fixes.dtensor_placement.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.dtensor_placement.checks.core import prepare
 
     prepare()
 
@@ -308,7 +308,7 @@ keep = {'early': make_sharded_tensor_for_checkpoint, 'early_tp': make_tp_sharded
 import megatron.core.transformer.utils as tu
 import megatron.core.tensor_parallel.layers as tl
 import mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement.runtime import core as dp
 assert {r['id']: r['state'] for r in mcore_ckpt_fixes.report()}['dtensor-placement'] == 'applied'
 for mod in (mu, tu):
     assert mod.make_sharded_tensor_for_checkpoint is dp.make_sharded_tensor_for_checkpoint, mod
@@ -329,7 +329,7 @@ def test_binding_made_while_applied_behaves_as_reverted_after_revert():
 import mcore_ckpt_fixes
 import megatron.core.utils as mu
 import megatron.core.transformer.utils as tu
-from mcore_ckpt_fixes.fixes.dtensor_placement import patch as dp
+from mcore_ckpt_fixes.fixes.dtensor_placement.runtime import core as dp
 from mcore_ckpt_fixes.engine.probing import Group
 assert tu.make_sharded_tensor_for_checkpoint is dp.make_sharded_tensor_for_checkpoint
 g = dict(tp_group=Group(rank=0, size=1), dp_cp_group=Group(rank=3, size=4))

@@ -6,7 +6,7 @@ from 0.17, the same ``megatron.core`` steps on 0.16), the optimizer's real param
 torch DCP save/load. Built by hand: the model, because its experts are Transformer Engine's grouped
 MLP (``linear_fc1.weight{i}`` / ``bias{i}``), and TE (and Megatron-FSDP's CUDA buffers) cannot run on
 a CPU host: the keys and DTensors are made exactly as Megatron-FSDP names and shards them; see
-mcore_ckpt_fixes/fixes/expert_keys/round_trips.py.
+mcore_ckpt_fixes/fixes/expert_keys/checks/core.py.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from mcore_ckpt_fixes.fixes.expert_keys import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.fixes.expert_keys.round_trips"
+SC = "mcore_ckpt_fixes.fixes.expert_keys.checks.core"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 INDEXED = ("ep2", "ep2_dp2")  # one tensor per local expert (weight{i}, bias{i})
 GROUPED = ("ep2_grouped", "ep2_grouped_bias", "ep2_dp2_grouped")  # single grouped tensors (0.18+)
@@ -42,7 +42,7 @@ def test_registry_declares_every_round_trip():
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    from mcore_ckpt_fixes.fixes.expert_keys.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.expert_keys.checks.core import prepare
 
     prepare()
 
@@ -183,7 +183,7 @@ def ep():
 def _mod():
     import sys
 
-    from mcore_ckpt_fixes.fixes.expert_keys import patch
+    from mcore_ckpt_fixes.fixes.expert_keys.runtime import core as patch
 
     mod = sys.modules[MODULE]
     assert mod.handle_experts_in_state_dict is patch.handle_experts_in_state_dict
@@ -269,7 +269,7 @@ def test_single_grouped_tensor(ep):
 def test_probe_and_status(mcore_version):
     import mcore_ckpt_fixes
     import megatron.core.transformer.fsdp_dtensor_checkpoint as m
-    from mcore_ckpt_fixes.fixes.expert_keys import patch
+    from mcore_ckpt_fixes.fixes.expert_keys.runtime import core as patch
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
@@ -307,7 +307,7 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from megatron.core.transformer.fsdp_dtensor_checkpoint import expert_param_local_key as user_local
 
 import mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes.expert_keys import patch as ek
+from mcore_ckpt_fixes.fixes.expert_keys.runtime import core as ek
 g = globals()
 for name, mod in sites.items():
     assert mod.handle_experts_in_state_dict is ek.handle_experts_in_state_dict, name
@@ -332,7 +332,7 @@ LATE_ALIAS = r"""
 import mcore_ckpt_fixes
 import megatron.core.transformer.fsdp_dtensor_checkpoint as m
 from megatron.core import parallel_state as ps
-from mcore_ckpt_fixes.fixes.expert_keys import patch as ek
+from mcore_ckpt_fixes.fixes.expert_keys.runtime import core as ek
 # imported after the fix: binds our function by name, which revert() does not know about
 import megatron.core.optimizer.distrib_optimizer as d
 assert d.handle_experts_in_state_dict is ek.handle_experts_in_state_dict

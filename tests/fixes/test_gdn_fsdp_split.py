@@ -2,7 +2,7 @@
 Megatron-FSDP DTensor construction, real DCP, 2 ranks on a CPU DeviceMesh with gloo.
 
 Stand-in used: the GDN module (what the handler reads of a GatedDeltaNet), see
-mcore_ckpt_fixes/fixes/gdn_fsdp_split/round_trips.py for exactly what and why.
+mcore_ckpt_fixes/fixes/gdn_fsdp_split/checks/core.py for exactly what and why.
 """
 
 import pytest
@@ -12,7 +12,7 @@ from mcore_ckpt_fixes.fixes.gdn_fsdp_split import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.fixes.gdn_fsdp_split.round_trips"
+SC = "mcore_ckpt_fixes.fixes.gdn_fsdp_split.checks.core"
 BOUNDARY = "AssertionError: [Megatron-FSDP] DTensor chunk metadata boundary check failed."
 TP_LOCAL = ("tp2_local", "tp2_local_optimizer")  # the layout upstream gets wrong
 UPSTREAM_OK = ("tp2_global", "tp1", "tp1_optimizer")  # layouts upstream already handles
@@ -29,7 +29,7 @@ def _has_gdn(version):
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
-    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.checks.core import prepare
 
     prepare()
 
@@ -73,7 +73,8 @@ def test_registered_scenarios_point_here():
 def test_status(mcore_version):
     import mcore_ckpt_fixes
     import megatron.core.transformer.fsdp_dtensor_checkpoint as m
-    from mcore_ckpt_fixes.fixes.gdn_fsdp_split import patch, upstream
+    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.runtime import core as patch
+    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.runtime import split as upstream
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
@@ -191,7 +192,7 @@ def test_no_collectives_and_rebinding(mcore_version):
         exec("from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_gdn_in_state_dict", bridge.__dict__)
         sys.modules[bridge.__name__] = bridge
         import mcore_ckpt_fixes
-        from mcore_ckpt_fixes.fixes.gdn_fsdp_split import upstream as g
+        from mcore_ckpt_fixes.fixes.gdn_fsdp_split.runtime import split as g
         assert m.handle_gdn_in_state_dict is g.handle_gdn_in_state_dict
         assert bridge.handle_gdn_in_state_dict is g.handle_gdn_in_state_dict
         assert pickle.loads(pickle.dumps(bridge.handle_gdn_in_state_dict)) is g.handle_gdn_in_state_dict
@@ -245,7 +246,7 @@ def _plain(local, mesh, placements, shape):
 def _split(data, tp, sizes=(2, 2, 1)):
     import torch
     from torch.distributed.tensor import DTensor
-    from mcore_ckpt_fixes.fixes.gdn_fsdp_split import upstream as g
+    from mcore_ckpt_fixes.fixes.gdn_fsdp_split.runtime import split as g
 
     param = torch.nn.Parameter(data, requires_grad=False)
     return g.split_gdn_fused(data, param, list(sizes), tp, "k", DTensor)

@@ -14,11 +14,11 @@ import pytest
 
 from mcore_ckpt_fixes.engine.probing import Group
 from mcore_ckpt_fixes.fixes.hsdp_ep_guard import FIX
-from mcore_ckpt_fixes.fixes.hsdp_ep_guard.upstream import refusal
+from mcore_ckpt_fixes.fixes.hsdp_ep_guard.runtime.core import refusal
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.fixes.hsdp_ep_guard.round_trips"
+SC = "mcore_ckpt_fixes.fixes.hsdp_ep_guard.checks.core"
 MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
 SCENARIO = for_fix(FIX.id)[0]
 ACCEPTED = {f"{c}/{t}": 0.0 for c in ("ep2", "hsdp") for t in ("dense", "expert")}
@@ -42,7 +42,7 @@ def test_registry():
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     """Both halves, once each (4-rank worlds are the expensive part of this file)."""
-    from mcore_ckpt_fixes.fixes.hsdp_ep_guard.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.hsdp_ep_guard.checks.core import prepare
 
     prepare()
     out = {}
@@ -141,7 +141,7 @@ def test_real_constructor_refuses_before_building_anything(mcore_version):
 
 def test_probe(mcore_version):
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as m
-    from mcore_ckpt_fixes.fixes.hsdp_ep_guard import patch
+    from mcore_ckpt_fixes.fixes.hsdp_ep_guard.runtime import core as patch
 
     verdict, why = patch.probe(m)  # the release's own method, even after apply
     if mcore_version in FIX.specifiers:

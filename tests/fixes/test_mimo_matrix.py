@@ -12,7 +12,7 @@ Three configurations: unpatched 0.17/0.18 can write a checkpoint in ``mixed`` an
 and ``adam`` shows defect (e) (each module's common state) on every release:
 
 ``dist``: both modules' inner optimizers are DistributedOptimizers (``dp_reshardable``, the type
-that round-trips on CPU, see mcore_ckpt_fixes/fixes/mimo_optimizer/round_trips.py). All six savers:
+that round-trips on CPU, see mcore_ckpt_fixes/fixes/mimo_optimizer/checks/core.py). All six savers:
 
     saved by \\ loaded by | 0.17.1 off | 0.17.1 on | 0.18.2 off | 0.18.2 on | 0.19.2 off | 0.19.2 on
     0.17.1 off           | save fails: COLLISION (the whole row: nothing is written)
@@ -78,7 +78,7 @@ import pytest
 
 from conftest import ROOT, megatron_version
 
-from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import MIMO_WORLD2_BUG
+from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import MIMO_WORLD2_BUG
 
 RELEASES_TXT = os.path.join(ROOT, "tools", "releases.txt")
 DRIVER = os.path.join(ROOT, "tests", "fixes", "mimo_matrix_driver.py")
@@ -334,7 +334,7 @@ def _common_state_warning(ckpt, recovered):
 @pytest.mark.parametrize("saver", SAVERS["adam"], ids=_label)
 def test_load_adam(saver, loader, matrix):
     """torch AdamW behind the non-distributed optimizer on both modules (defect (e)): the step."""
-    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import SAVE_SEED, saved_step
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core import SAVE_SEED, saved_step
 
     s_rel, s_patched = saver
     l_rel, l_patched = loader

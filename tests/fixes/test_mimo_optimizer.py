@@ -2,7 +2,7 @@
 
 Non-colocated modules, gloo on CPU: world 2 (language on rank 0, vision on rank 1) and world 4
 (TP=2 per module). Inner sharding type ``dp_reshardable``: on CPU the other DistributedOptimizer
-types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/fixes/mimo_optimizer/round_trips.py).
+types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/fixes/mimo_optimizer/checks/core.py).
 What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tensor.cuda()`` and
 ``Tensor.type()`` names (a TorchFunctionMode), besides testing/cpu_shims.py.
 """
@@ -16,7 +16,7 @@ from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.fixes.mimo_optimizer.scenarios import (
+from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import (
     MIMO_COMMON_STATE,
     MIMO_SAVE_SIDE,
     MIMO_STEP_BUG,
@@ -45,9 +45,9 @@ def _need_mimo(version):
 
 def test_registry_declares_the_round_trip():
     assert [s.name for s in for_fix("mimo-optimizer")] == ["world2", "torch_adam"]
-    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:round_trip"
+    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:round_trip"
     assert SCENARIO.bug == {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG}  # 0.19: no fix-off failure in this round trip
-    assert ADAM.nproc == 2 and ADAM.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips:torch_adam"
+    assert ADAM.nproc == 2 and ADAM.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:torch_adam"
     assert ADAM.bug == {MIMO_COMMON_STATE: MIMO_STEP_BUG}
     assert set(SpecifierSet(MIMO_COMMON_STATE)) == set(FIX.specifiers)  # every affected release
     assert (MIMO_STEP_BUG.phase, MIMO_STEP_BUG.error) == ("load_state_dict", "KeyError: 'step'")
@@ -219,7 +219,7 @@ def test_torch_adam_unpatched(nproc, tmp_path, mcore_version):
 
 @pytest.mark.parametrize("nproc", [2, 4], ids=["world2", "world4_tp2"])
 def test_torch_adam_patched_round_trip_is_exact(nproc, tmp_path, mcore_version):
-    from mcore_ckpt_fixes.fixes.mimo_optimizer.round_trips import SAVE_SEED, saved_step
+    from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core import SAVE_SEED, saved_step
 
     _need_mimo(mcore_version)
     results = values(run_world(ADAM.func, nproc, {"ckpt_dir": str(tmp_path), "patched": True}, timeout=300))

@@ -33,7 +33,7 @@ def test_registry_declares_every_round_trip():
         "radio_vit": ("raises", "sharded_state_dict", "AssertionError: tensor model parallel group is not initialized"),
     }
     for s in SCENARIOS.values():
-        assert s.nproc == 2 and s.func == f"mcore_ckpt_fixes.fixes.tp_group.round_trips:{s.name}"
+        assert s.nproc == 2 and s.func == f"mcore_ckpt_fixes.fixes.tp_group.checks.core:{s.name}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +85,7 @@ def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
 def test_classic_parallel_state_models_identical(tmp_path):
     results = values(
         run_world(
-            "mcore_ckpt_fixes.fixes.tp_group.classic_models:classic_models_identical",
+            "mcore_ckpt_fixes.fixes.tp_group.checks.classic_models:classic_models_identical",
             2,
             {"ckpt_dir": str(tmp_path)},
             timeout=240,
@@ -110,7 +110,7 @@ if ORDER == 'megatron-first':
     import megatron.core.ssm.mamba_layer
 import mcore_ckpt_fixes
 import megatron.core.ssm.mamba_layer as ml
-from mcore_ckpt_fixes.fixes.tp_group import patch
+from mcore_ckpt_fixes.fixes.tp_group.runtime import core as patch
 state = {r['id']: r for r in mcore_ckpt_fixes.report()}['tp-group']
 patched = ml.MambaLayer.__dict__['__init__'] is patch.mamba_layer_init
 print(state['targets']['megatron.core.ssm.mamba_layer']['state'], patched)

@@ -9,7 +9,7 @@ mcore_ckpt_fixes`` alone covers Bridge users.
 Real: Megatron-Bridge (installed from tools/frameworks/megatron-bridge.txt), its
 ``preprocess_fsdp_dtensor_state_dict``, Megatron-Core's parallel_state / Megatron-FSDP meshes and
 ``make_fsdp_dtensor``, torch DCP save/load, 2 forked ranks on gloo with EP=2. Stand-ins: the model
-(see mcore_ckpt_fixes/fixes/expert_keys/round_trips.py: Transformer Engine's grouped MLP cannot be
+(see mcore_ckpt_fixes/fixes/expert_keys/checks/core.py: Transformer Engine's grouped MLP cannot be
 installed on a CPU host, so a module tree with its parameter names) and, for importing Bridge at all,
 the Transformer Engine stand-in of mcore_ckpt_fixes/testing/standins.py (Bridge's import chain
 reaches ``transformer_engine``; nothing of it runs in these round trips).
@@ -28,7 +28,7 @@ from mcore_ckpt_fixes.fixes.expert_keys import BRIDGE, FIX, MODULE
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing.registry import for_fix
 
-RT = "mcore_ckpt_fixes.fixes.expert_keys.round_trips:bridge_ep2_grouped"
+RT = "mcore_ckpt_fixes.fixes.expert_keys.checks.core:bridge_ep2_grouped"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXP = "decoder.layers.0.mlp.experts."
 GROUPED_PARAMS = {
@@ -50,7 +50,7 @@ def bridge():
 
     install_transformer_engine_stand_in_for_bridge()
     module = import_framework("megatron-bridge", BRIDGE)
-    from mcore_ckpt_fixes.fixes.expert_keys.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.expert_keys.checks.core import prepare
 
     prepare()
     why = SCENARIOS["ep2_grouped"].absent()
@@ -120,7 +120,7 @@ import megatron.core, megatron.bridge
 assert megatron.core.__path__[0].startswith(os.environ["PATCHED_ROOT"]), megatron.core.__path__
 assert megatron.bridge.__path__[0].startswith(os.environ["PATCHED_ROOT"]), megatron.bridge.__path__
 import megatron.bridge.training.checkpointing
-from mcore_ckpt_fixes.fixes.expert_keys.round_trips import prepare
+from mcore_ckpt_fixes.fixes.expert_keys.checks.core import prepare
 prepare()
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 res = values(run_world(os.environ["RT"], 2, {"ckpt_dir": tempfile.mkdtemp(), "patched": False, "variant": "grouped"},

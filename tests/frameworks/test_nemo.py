@@ -41,7 +41,7 @@ def test_status_says_not_applicable_with_nemo_3(tmp_path):
 
 
 def test_nemo_2_strategy_is_reported_as_a_gap():
-    from mcore_ckpt_fixes.fixes.expert_keys.patch import apply_nemo, probe_nemo
+    from mcore_ckpt_fixes.fixes.expert_keys.runtime.nemo import apply_nemo, probe_nemo
 
     def _get_fsdp_dtensor_state_dict(self, raw_state_dict, model_key="model", optimizer_key="optimizer_states"):
         # the names NeMo 2.7.3's method refers to (handle_fp8..., handle_swiglu..., preprocess...)

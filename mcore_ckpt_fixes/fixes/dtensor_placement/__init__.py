@@ -19,7 +19,7 @@ but the first unwritten.
 
 How: for a DTensor the release's helper treats as one (0.16-0.18: every DTensor; 0.19: those that
 Megatron's FSDP2 wrapper tagged ``is_torch_fsdp2_param``; decided by running the release's helper, see
-:func:`.patch._tag_required`), the replacement computes the shard's global offset per dimension from the
+:func:`.runtime.core._tag_required`), the replacement computes the shard's global offset per dimension from the
 mesh coordinate and the placements (torch's chunking: ``ceil(n / mesh_size)`` rows per shard, the last
 ones shorter or empty), merges it with the TP offset when TP splits the same axis (TP outer, the
 DTensor inside the TP-local tensor, as FSDP2 shards Megatron's TP-local parameters), takes the
@@ -36,11 +36,11 @@ The helpers are bound by name in many modules (``from megatron.core.utils import
 replaced with ``replace_function``, which rebinds every loaded module's binding by identity; modules
 imported later bind the replacement from ``megatron.core.utils`` itself.
 
-Layout: :mod:`.upstream` holds the code ``patches/dtensor-placement/`` carries (the helper
-``_dtensor_shard_for_checkpoint`` as the release's own ``megatron/core/utils.py`` would have it) and
-its source edits per release; :mod:`.patch` the probes, the monkeypatch's own layout computation
-(:func:`.patch.dtensor_layout`) and the replacements; :mod:`.scenarios` / :mod:`.round_trips` the
-round trips.
+Layout: ``runtime/core.py`` holds the probes, the monkeypatch's own layout computation
+(``dtensor_layout``) and the replacements; ``diff/core.py`` the code ``patches/dtensor-placement/``
+carries (the helper ``_dtensor_shard_for_checkpoint`` as the release's own ``megatron/core/utils.py``
+would have it) and its source edits per release; ``checks/`` the round trips (``scenarios.py``,
+``core.py``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ FIX = Fix(
     targets=(
         Target(
             UTILS,
-            f"{__name__}.patch:probe_utils",
-            f"{__name__}.patch:apply_utils",
+            f"{__name__}.runtime.core:probe_utils",
+            f"{__name__}.runtime.core:apply_utils",
             alias_sites=(
                 "megatron.core.transformer.utils",
                 "megatron.core.tensor_parallel.layers",
@@ -79,6 +79,8 @@ FIX = Fix(
                 "megatron.core.ssm.mamba_mixer",
             ),
         ),
-        Target(EXPERTS, f"{__name__}.patch:probe_sequential_mlp", f"{__name__}.patch:apply_sequential_mlp"),
+        Target(
+            EXPERTS, f"{__name__}.runtime.core:probe_sequential_mlp", f"{__name__}.runtime.core:apply_sequential_mlp"
+        ),
     ),
 )

@@ -89,7 +89,8 @@ BRIDGE = "megatron.bridge.training.checkpointing"
 # (nemo-toolkit 3.0 has no such module: not applicable).
 NEMO = "nemo.lightning.pytorch.strategies.megatron_strategy"
 
-_PATCH = f"{__name__}.patch"
+_RUNTIME = f"{__name__}.runtime"
+_PATCH = f"{_RUNTIME}.core"
 
 FIX = Fix(
     id=ID,
@@ -104,8 +105,14 @@ FIX = Fix(
     targets=(
         Target(MODULE, f"{_PATCH}:probe", f"{_PATCH}:apply", alias_sites=ALIAS_SITES),
         Target(TRAINING, f"{_PATCH}:probe_training", f"{_PATCH}:apply_training"),
-        Target(BRIDGE, f"{_PATCH}:probe_bridge", f"{_PATCH}:apply_bridge"),
-        Target(NEMO, f"{_PATCH}:probe_nemo", f"{_PATCH}:apply_nemo", package="nemo-toolkit", affected="<3.0.0"),
+        Target(BRIDGE, f"{_RUNTIME}.bridge:probe_bridge", f"{_RUNTIME}.bridge:apply_bridge"),
+        Target(
+            NEMO,
+            f"{_RUNTIME}.nemo:probe_nemo",
+            f"{_RUNTIME}.nemo:apply_nemo",
+            package="nemo-toolkit",
+            affected="<3.0.0",
+        ),
     ),
 )
 
@@ -115,7 +122,7 @@ def __getattr__(name):
     # uneven-DTensor preprocessing themselves (docs/fixes/expert-keys.md, docstring above): resolved on first use, so
     # that importing the declaration imports none of the implementation.
     if name == "handle_grouped_experts_in_state_dict":
-        from .upstream import handle_grouped_experts_in_state_dict
+        from .runtime.keys import handle_grouped_experts_in_state_dict
 
         return handle_grouped_experts_in_state_dict
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

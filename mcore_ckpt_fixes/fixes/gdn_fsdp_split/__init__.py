@@ -73,5 +73,7 @@ FIX = Fix(
         "NVIDIA/Megatron-LM#4910 (hang when ranks take different branches)",
         "NVIDIA/Megatron-LM#4423 (plain-Tensor optimizer states)",
     ),
-    targets=(Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply", alias_sites=ALIAS_SITES),),
+    targets=(
+        Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply", alias_sites=ALIAS_SITES),
+    ),
 )

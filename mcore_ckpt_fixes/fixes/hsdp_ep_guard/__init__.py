@@ -17,9 +17,9 @@ is accepted. Every other configuration goes through the original code untouched.
 0.16 wheels do not ship ``megatron/training``: the guard sits in ``megatron.core`` (the adapter every
 Megatron-FSDP user of 0.16, Megatron-LM's training loop included, constructs).
 
-Layout: :mod:`.upstream` holds the guard's message (:func:`.upstream.refusal`, shared by the
-monkeypatch and the diff) and the source edits of ``patches/hsdp-ep-guard/``; :mod:`.patch` the
-probe and the replacement method; :mod:`.scenarios` / :mod:`.round_trips` the 4-rank round trip.
+Layout: ``runtime/core.py`` holds the probe, the replacement method and the guard's message
+(``refusal``, which the diff imports); ``diff/core.py`` the source edit of ``patches/hsdp-ep-guard/``;
+``checks/`` the 4-rank round trip (``scenarios.py``, ``core.py``).
 """
 
 from __future__ import annotations
@@ -39,5 +39,5 @@ FIX = Fix(
         "Megatron-FSDP; its description names NVIDIA/Megatron-LM#2840 as the main-branch PR). This fix does not "
         "backport it: on 0.16 it refuses the combination that PR makes work",
     ),
-    targets=(Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply"),),
+    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
 )

@@ -81,5 +81,5 @@ FIX = Fix(
         "each module's common state (e): not upstream as of 0.19.2 (upstream's test_mimo_checkpoint.py "
         "fails with KeyError: 'step' on CPU with torch Adam)",
     ),
-    targets=(Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply"),),
+    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
 )

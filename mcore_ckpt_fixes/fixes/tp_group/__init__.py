@@ -32,7 +32,7 @@ ID = "tp-group"
 LAYER = "megatron.core.ssm.mamba_layer"
 MIXER = "megatron.core.ssm.mamba_mixer"
 RADIO = "megatron.core.models.vision.radio"
-_PATCH = f"{__name__}.patch:"
+_PATCH = f"{__name__}.runtime.core:"
 
 FIX = Fix(
     id=ID,

@@ -1,0 +1,1 @@
+"""dtensor-placement's round trips, for the tests and ``selftest`` only (:mod:`.scenarios` registers them)."""

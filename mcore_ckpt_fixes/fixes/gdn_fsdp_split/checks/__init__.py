@@ -1,0 +1,1 @@
+"""gdn-fsdp-split's round trips, for the tests and ``selftest`` only (:mod:`.scenarios` registers them)."""
