@@ -79,11 +79,13 @@ def test_probe_finds_the_three_defects(mcore_version):
     import megatron.core.optimizer.distrib_optimizer as m
     from mcore_ckpt_fixes.fixes.torch_adam_step.runtime import core
 
+    flag = m.HAVE_APEX_OR_TE  # False on these CPU lines: neither TE nor Apex is installed
     verdict, why = core.probe(m)  # the release's own methods, even after apply
-    assert m.HAVE_APEX_OR_TE is False  # the probe puts the flag back
+    assert m.HAVE_APEX_OR_TE is flag  # the probe puts the flag back
     assert verdict is True and why.startswith("DistributedOptimizer on torch's Adam: (a) "), why
     assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)"], why
-    assert why.endswith("(this installation uses torch's Adam)")
+    if not flag:
+        assert why.endswith("(this installation uses torch's Adam)"), why
 
 
 def test_fused_adam_path_goes_to_the_release(monkeypatch):
