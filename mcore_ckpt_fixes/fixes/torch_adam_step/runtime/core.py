@@ -61,7 +61,9 @@ def set_main_param_and_optimizer_states(self, model_param, tensors):
     step as it is: ``load_state_dict`` has just set it from the checkpoint's param groups, and the
     loaded per-parameter state has none (fully_reshardable, fully_sharded_model_space) or the one
     the optimizer had before the load (dp_reshardable's non-persistent entry)."""
-    state = _main_param_state(self, model_param)
+    # Only on torch's Adam: HybridDeviceOptimizer (CPU offload beside a FusedAdam) keeps per-parameter
+    # steps too, but its own branches are not what this fix covers or checks.
+    state = _main_param_state(self, model_param) if _torch_adam() else None
     step = state.get("step") if state is not None else None
     if step is not None and hasattr(step, "copy_"):
         # The release copies ``tensors[k]`` into every tensor of the state: the step onto itself.
