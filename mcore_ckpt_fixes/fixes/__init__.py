@@ -1,5 +1,8 @@
 """One package per fix (``fixes/<fix>/``), whose ``__init__`` defines ``FIX = Fix(...)``; the engine discovers them.
 
+Every fix package has the same inner shape (``runtime/`` runs in a job, ``diff/`` builds the source
+diffs, ``checks/`` tests): CONTRIBUTING.md, "Adding a fix".
+
 ORDER only fixes the order ``status`` lists them in (that of the fix table in README.md).
 """
 

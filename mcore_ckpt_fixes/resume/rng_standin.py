@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fixes.rng_under_ep.round_trips import CudaRngStandIn
+from ..fixes.rng_under_ep.checks.core import CudaRngStandIn
 
 
 class TrainingRngStandIn(CudaRngStandIn):

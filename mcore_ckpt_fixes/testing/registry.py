@@ -207,26 +207,19 @@ def resolve(ref: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
-# Where a fix package keeps its scenarios: ``checks/scenarios.py`` (see CONTRIBUTING.md, "Layout of
-# a fix"); ``scenarios.py`` at the package's top is the layout fixes had before it.
-_SCENARIO_MODULES = ("checks.scenarios", "scenarios")
-
-
 def _declared(fix):
     """The scenarios ``fix``'s package declares (``<package>.checks.scenarios.SCENARIOS``), or none."""
     home = getattr(fix, "home", None)
     if not home:
         return ()
-    for name in _SCENARIO_MODULES:
-        path = f"{home}.{name}"
-        try:
-            module = importlib.import_module(path)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (path, path.rpartition(".")[0]):
-                raise  # the module exists and something it imports is missing
-            continue
-        return tuple(getattr(module, "SCENARIOS", ()))
-    return ()
+    path = f"{home}.checks.scenarios"  # CONTRIBUTING.md, "Adding a fix"
+    try:
+        module = importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (path, path.rpartition(".")[0]):
+            raise  # the module exists and something it imports is missing
+        return ()
+    return tuple(getattr(module, "SCENARIOS", ()))
 
 
 def all_scenarios():

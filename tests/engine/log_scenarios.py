@@ -41,7 +41,7 @@ def import_then_load(rank, world_size, ckpt_dir=None):
     result = {"megatron_before": megatron_before, "start": list(keep.records), "start_warnings": _ours(caught)}
     del keep.records[:]
     if ckpt_dir is not None:
-        from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import load_only
+        from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import load_only
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -13,7 +13,7 @@ import os
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RNG = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
+RNG = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.core"
 NPROC = 4
 
 
@@ -23,7 +23,7 @@ def _levels(records, level):
 
 def _old_layout_checkpoint(ckpt_dir):
     """What an unfixed release writes: the same 4-rank job, the fixes off (forked ranks: cheap)."""
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import prepare
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import prepare
 
     prepare()
     kwargs = {"ckpt_dir": str(ckpt_dir), "patched": False}
@@ -54,7 +54,7 @@ def test_a_4_rank_job_logs_one_info_line_and_warns_only_where_state_is_not_its_o
 
     # The load: rank 0 restores its own state (no warning; the old layout named once, at INFO);
     # ranks 1-3 restore rank 0's copy and each is warned, naming the old layout and its own place.
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ, same_states
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import assert_ranks_differ, same_states
 
     components = set(saved[0])
     assert_ranks_differ(saved, components)  # restoring another rank's state is visible

@@ -4,7 +4,7 @@ World 2, EP=2 (TP=PP=1: the two EP ranks are the two data-parallel ranks), gloo 
 GPTModel with one local expert per EP rank, saved and loaded with Megatron's own
 ``save_checkpoint`` / ``load_checkpoint`` (``torch_dist``, Megatron's default options, parsed by its
 own ``parse_args`` / ``validate_args``). Why those two functions and what each world does: see
-mcore_ckpt_fixes/fixes/rng_under_ep/round_trips.py.
+mcore_ckpt_fixes/fixes/rng_under_ep/checks/core.py.
 
 Stand-in used (CPU workers only): one CPU ``torch.Generator`` plays the CUDA default generator
 (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed``, Megatron's ``_set_cuda_rng_state``),
@@ -28,7 +28,7 @@ from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing import for_fix
 
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.core"
 COMPONENTS = {
     "python",
     "numpy",
@@ -55,7 +55,7 @@ def _need_training(version):
 def warm_parent(mcore_version):
     """Import Megatron (megatron.training included) once here: every world below forks from this process."""
     if _has_training(mcore_version):
-        from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import prepare
+        from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import prepare
 
         prepare()
 
@@ -68,19 +68,19 @@ def _world(func, patched, ckpt_dir, **kwargs):
 
 
 def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     return delta(a, b)
 
 
 def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import same_states
 
     return same_states(a, b, COMPONENTS)
 
 
 def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import assert_ranks_differ
 
     assert_ranks_differ(saved, COMPONENTS)
 
@@ -99,7 +99,7 @@ def test_state_delta_tells_a_cached_gaussian_from_none():
     draws different numbers next, so two states that differ only there must compare different."""
     import random
 
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     gen = random.Random(7)
     gen.gauss(0.0, 1.0)
@@ -144,7 +144,7 @@ def test_status_and_probe(mcore_version):
 
     import mcore_ckpt_fixes
     from mcore_ckpt_fixes.engine.patching import original
-    from mcore_ckpt_fixes.fixes.rng_under_ep import patch as f
+    from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import core as f
 
     mcore_ckpt_fixes.apply()
     row = next(r for r in mcore_ckpt_fixes.report() if r["id"] == FIX.id)
@@ -172,7 +172,7 @@ def test_rebind_reload_revert_pickle(mcore_version):
         exec("from megatron.training.checkpointing import get_rng_state", user.__dict__)
         sys.modules[user.__name__] = user
         import mcore_ckpt_fixes
-        from mcore_ckpt_fixes.fixes.rng_under_ep import patch as f
+        from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import core as f
         assert m.get_rng_state is f.get_rng_state and user.get_rng_state is f.get_rng_state
         assert m._load_global_dist_base_checkpoint is f.load_global_dist_base_checkpoint
         mcore_ckpt_fixes.apply(); mcore_ckpt_fixes.apply()
@@ -311,7 +311,7 @@ def test_request_follows_the_stored_layout(new_ckpt, old_ckpt):
     data-parallel resize or an old checkpoint brings (the worlds above cover the same-size cases)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from mcore_ckpt_fixes.fixes.rng_under_ep.old_layouts import align_rng_request
+    from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.old_layouts import align_rng_request
 
     new_dir, old_dir = (str(new_ckpt[0] / "iter_0000001"), str(old_ckpt[0] / "iter_0000001"))
 
@@ -339,10 +339,10 @@ _SOURCE_LOAD = r"""
 import os, pickle, sys
 import megatron
 assert megatron.__path__[0] == os.environ["PATCHED_MEGATRON"], megatron.__path__
-from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import prepare
 prepare()
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-results = values(run_world("mcore_ckpt_fixes.fixes.rng_under_ep.round_trips:load_only", 2,
+results = values(run_world("mcore_ckpt_fixes.fixes.rng_under_ep.checks.core:load_only", 2,
                            {"ckpt_dir": os.environ["CKPT_DIR"], "patched": False},
                            env={"MCORE_CKPT_FIXES": "off"}, timeout=180))
 with open(os.environ["RESULT"], "wb") as f:

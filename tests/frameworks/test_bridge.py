@@ -4,7 +4,7 @@ Real: Megatron-Bridge (installed from tools/frameworks/megatron-bridge.txt) and 
 ``get_rng_state``, ``save_checkpoint``, ``load_checkpoint`` / ``load_fsdp_dtensor_checkpoint`` with a
 real Bridge ``ConfigContainer`` / ``GlobalState``, Bridge's own seeding, a small real Megatron-Core
 ``GPTModel`` with one local expert per EP rank, DCP / dist_checkpointing, 2 forked ranks on gloo,
-EP=2 (TP=PP=1, DP=2). What each world does: mcore_ckpt_fixes/fixes/rng_under_ep/bridge_round_trips.py.
+EP=2 (TP=PP=1, DP=2). What each world does: mcore_ckpt_fixes/fixes/rng_under_ep/checks/bridge.py.
 
 The bug is Bridge's ``fsdp_dtensor`` RNG entry, keyed ``"(pp, tp)"`` only: DCP keeps one copy of
 each of its leaves, written by different ranks, so both EP ranks restore a mix of the two ranks'
@@ -41,7 +41,7 @@ from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 FRAMEWORK = "megatron-bridge"
 BRIDGE = "megatron.bridge.training.checkpointing"
-RT = "mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips"
+RT = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge"
 COMPONENTS = {
     "python",
     "numpy",
@@ -75,7 +75,7 @@ def bridge():
 
     install_transformer_engine_stand_in_for_bridge()
     module = import_framework(FRAMEWORK, BRIDGE)
-    from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips import prepare
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge import prepare
 
     prepare()
     return module
@@ -89,19 +89,19 @@ def _world(func, patched, ckpt_dir, **kwargs):
 
 
 def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     return delta(a, b)
 
 
 def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import same_states
 
     return same_states(a, b, COMPONENTS)
 
 
 def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import assert_ranks_differ
 
     assert_ranks_differ(saved, COMPONENTS)
 
@@ -130,7 +130,7 @@ import mcore_ckpt_fixes
 from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
 install_transformer_engine_stand_in_for_bridge()
 import megatron.bridge.training.checkpointing as m
-from mcore_ckpt_fixes.fixes.rng_under_ep import bridge as f
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import bridge as f
 
 def row():
     r = {r["id"]: r for r in mcore_ckpt_fixes.report()}["rng-under-ep"]
@@ -255,15 +255,15 @@ def test_unfixed_bridge_reads_a_fixed_checkpoint(patched_fsdp):
 
 _SOURCE = r"""
 import json, os, pickle, sys
-from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge import prepare
 prepare()
 import megatron.bridge
 assert megatron.bridge.__path__[0] == os.environ["PATCHED_BRIDGE"], megatron.bridge.__path__
 import megatron.bridge.training.checkpointing as m
-from mcore_ckpt_fixes.fixes.rng_under_ep.bridge import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.bridge import probe
 verdict, reason = probe(m)
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-RT = "mcore_ckpt_fixes.fixes.rng_under_ep.bridge_round_trips"
+RT = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.bridge"
 off = {"MCORE_CKPT_FIXES": "off"}
 round_trip = values(run_world(RT + ":ep2_round_trip", 2, {"ckpt_dir": os.environ["NEW_DIR"], "patched": False},
                               env=off, timeout=180))
@@ -315,7 +315,7 @@ def test_source_patch(unpatched_fsdp, tmp_path, bridge):
 
 def test_patch_is_current():
     """The committed diff is what bridge_upstream.source_edits renders from the released file."""
-    from mcore_ckpt_fixes.fixes.rng_under_ep.bridge_upstream import PATH, source_edits
+    from mcore_ckpt_fixes.fixes.rng_under_ep.diff.bridge import PATH, source_edits
     from mcore_ckpt_fixes.sourcediff import render
 
     import megatron.bridge.training.checkpointing as m

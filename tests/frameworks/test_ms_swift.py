@@ -2,7 +2,7 @@
 own ``initialize_megatron`` / ``save_mcore_checkpoint`` / ``load_mcore_checkpoint`` (issue #18).
 
 World 2, EP=2 (TP=PP=1), gloo on CPU, a small real GPTModel with one local expert per EP rank: see
-mcore_ckpt_fixes/fixes/rng_under_ep/ms_swift_round_trips.py for what each world does and the
+mcore_ckpt_fixes/fixes/rng_under_ep/checks/ms_swift.py for what each world does and the
 stand-ins its workers use (CPU generator for CUDA's, CPU buffers for the fully parallel load's
 exchange, and an empty ``transformer_engine`` package around ``mcore_bridge``'s import only:
 mcore-bridge 1.6.5 imports Transformer Engine unconditionally, and it cannot be installed on a CPU
@@ -29,7 +29,7 @@ from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 NAME = "ms-swift"
 MODULE = "swift.megatron.utils.megatron_lm_utils"
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift"
 COMPONENTS = {
     "python",
     "numpy",
@@ -70,19 +70,19 @@ def _world(func, patched, ckpt_dir, **kwargs):
 
 
 def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     return delta(a, b)
 
 
 def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import same_states
 
     return same_states(a, b, COMPONENTS)
 
 
 def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import assert_ranks_differ
 
     assert_ranks_differ(saved, COMPONENTS)
 
@@ -97,10 +97,10 @@ def _ok(results):
 
 _STATUS = """
 import json, mcore_ckpt_fixes
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips import import_swift
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift import import_swift
 m = import_swift()
 row = {r["id"]: r for r in mcore_ckpt_fixes.report()}["rng-under-ep"]
-from mcore_ckpt_fixes.fixes.rng_under_ep import ms_swift as f
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import ms_swift as f
 bound = {"get_rng_state": m._get_rng_state is f.get_rng_state,
          "dist_checkpointing": m.dist_checkpointing is f.DIST_CHECKPOINTING,
          "select_rng_state": m.fsdp_checkpoint.select_rng_state is f.select_rng_state}
@@ -229,16 +229,16 @@ def test_fsdp_dtensor_unpatched_and_patched(tmp_path):
 
 _SOURCE_RUN = r"""
 import json, os, pickle, sys
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips import import_swift
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift import import_swift
 import megatron.core.models.gpt
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.ms_swift"
 off = {"MCORE_CKPT_FIXES": "off"}
 new = values(run_world(SC + ":ep2_round_trip", 2, {"ckpt_dir": os.environ["NEW_DIR"], "patched": False}, env=off, timeout=240))
 old = values(run_world(SC + ":load_only", 2, {"ckpt_dir": os.environ["OLD_DIR"], "patched": False}, env=off, timeout=240))
 m = import_swift()  # after the worlds: this parent stays unpatched by ms-swift's import meanwhile
 assert m.__file__.startswith(os.environ["PATCHED"]), m.__file__
-from mcore_ckpt_fixes.fixes.rng_under_ep.ms_swift import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.ms_swift import probe
 verdict, why = probe(m)
 with open(os.environ["RESULT"], "wb") as f:
     pickle.dump({"new": new, "old": old, "probe": (verdict, why)}, f)

@@ -11,7 +11,7 @@ data-parallel group of 4). Each rank builds a real ``MegatronCheckpointManager``
 ``save_contents = load_contents = ["extra"]`` and calls verl's own ``save_checkpoint`` /
 ``load_checkpoint``: ``get_rng_state`` -> ``save_dist_checkpointing`` into ``extra/dist_ckpt`` ->
 ``load_dist_checkpointing`` -> ``load_rng_states``. Stand-ins in the worlds' ranks only, never in
-``import mcore_ckpt_fixes`` (see mcore_ckpt_fixes/fixes/rng_under_ep/verl_round_trips.py): one CPU
+``import mcore_ckpt_fixes`` (see mcore_ckpt_fixes/fixes/rng_under_ep/checks/verl.py): one CPU
 generator plays CUDA's (Megatron's RNG tracker needs one); a config / transformer-config namespace for
 what the constructor and rank 0's JSON dump read; for Megatron-FSDP, a stand-in
 ``megatron.bridge.training.checkpointing`` doing Megatron-Bridge 0.6.2's DCP save / partial-load
@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 NAME = "verl"
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl"
 COMPONENTS = {
     "python",
     "numpy",
@@ -67,7 +67,7 @@ def verl():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import_framework(NAME, MODULE)
-    from mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips import prepare
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl import prepare
 
     prepare()
 
@@ -82,19 +82,19 @@ def _world(func, patched, ckpt_dir, nproc=2, **kwargs):
 
 
 def _delta(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import delta
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import delta
 
     return delta(a, b)
 
 
 def _same(a, b):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import same_states
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import same_states
 
     return same_states(a, b, COMPONENTS)
 
 
 def _ranks_differ(saved):
-    from mcore_ckpt_fixes.fixes.rng_under_ep.round_trips import assert_ranks_differ
+    from mcore_ckpt_fixes.fixes.rng_under_ep.checks.core import assert_ranks_differ
 
     assert_ranks_differ(saved, COMPONENTS)
 
@@ -143,7 +143,7 @@ def test_status_applied_and_flag_off():
     assert on["target"]["state"] == "applied", on
     assert "keys the torch_dist RNG state by (pp, tp) only" in on["target"]["reason"], on
     assert "both address rng_state/shard_0.0_1.1 and rank 1 is a replica (replica_id=1)" in on["target"]["reason"], on
-    assert on["method"] == on["load"] == "mcore_ckpt_fixes.fixes.rng_under_ep.verl", on
+    assert on["method"] == on["load"] == "mcore_ckpt_fixes.fixes.rng_under_ep.runtime.verl", on
     off = _row(code, {"MCORE_CKPT_FIX_RNG_UNDER_EP": "off"})
     assert off["state"] == "disabled" and off["target"] is None, off
     assert off["method"] == MODULE and off["load"] == "verl.utils.megatron.dist_checkpointing", off
@@ -263,12 +263,12 @@ warnings.simplefilter("ignore")
 import verl
 assert verl.__path__[0] == os.environ["PATCHED_VERL"], verl.__path__
 import verl.utils.checkpoint.megatron_checkpoint_manager as m
-from mcore_ckpt_fixes.fixes.rng_under_ep.verl import probe
+from mcore_ckpt_fixes.fixes.rng_under_ep.runtime.verl import probe
 verdict, why = probe(m)
-from mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips import prepare
+from mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl import prepare
 prepare()
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-SC = "mcore_ckpt_fixes.fixes.rng_under_ep.verl_round_trips"
+SC = "mcore_ckpt_fixes.fixes.rng_under_ep.checks.verl"
 off = {"MCORE_CKPT_FIXES": "off"}
 out = {"probe": (verdict, why)}
 for fsdp in (False, True):

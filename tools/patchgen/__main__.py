@@ -19,22 +19,14 @@ def main(fix_id: str, src_root: str, release: str) -> None:
     sys.stdout.write(render_fix(fix_id, src_root, release))
 
 
-# Where a fix package keeps its source edits: ``diff/`` (see CONTRIBUTING.md); ``upstream.py`` is the
-# layout fixes had before it.
-_DIFF_MODULES = (("diff", "diff/__init__.py"), ("upstream", "upstream.py"))
-
-
 def render_fix(fix_id: str, src_root: str, release: str) -> str:
     pkg = fix_id.replace("-", "_")
     home = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg)
-    for module, path in _DIFF_MODULES:
-        if os.path.isfile(os.path.join(home, *path.split("/"))):
-            break
-    else:
+    if not os.path.isfile(os.path.join(home, "diff", "__init__.py")):
         raise SystemExit(f"patchgen: no fix {fix_id!r} with a diff package (mcore_ckpt_fixes/fixes/{pkg}/diff/)")
     from mcore_ckpt_fixes.sourcediff import render
 
-    diff = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.{module}")
+    diff = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.diff")
     return render(src_root, diff.source_edits(release))
 
 

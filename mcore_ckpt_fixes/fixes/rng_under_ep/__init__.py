@@ -37,7 +37,7 @@ An unfixed release cannot read the RNG state of a checkpoint written with this f
 is part of the stored key (``rng_state/shard_0.0.1_1.1.2``) and it asks for ``rng_state/shard_0.0_1.1``.
 It stops in ``load_checkpoint``; ``--no-load-rng`` (or applying this fix) gets past it.
 
-``fsdp_dtensor`` (Megatron-FSDP users' format; :mod:`.fsdp_dtensor`): the release keys its plain RNG
+``fsdp_dtensor`` (Megatron-FSDP users' format; :mod:`.runtime.fsdp_dtensor`): the release keys its plain RNG
 entry by ``(pp, tp)`` too, and DCP keeps one copy of each leaf of it, written by different ranks:
 every rank of a (pp, tp) resumes on a mix. With the fix every rank also saves its own entry under
 ``(pp, tp, dp_cp)`` (the release's entry is kept, so an unfixed release reads a fixed checkpoint as
@@ -46,21 +46,21 @@ its own), and a load restores it, or the shared copy with a warning where the ch
 no parallel layout) is left as the release writes it. The source diffs cover ``torch_dist`` only.
 
 ms-swift (``swift.megatron.utils.megatron_lm_utils``, gated by ms-swift <= 4.6.0 whatever
-Megatron-Core it runs on; :mod:`.ms_swift`) keeps its own copy of the bug: ``_get_rng_state`` writes
+Megatron-Core it runs on; :mod:`.runtime.ms_swift`) keeps its own copy of the bug: ``_get_rng_state`` writes
 the same 2-D torch_dist object (and ``megatron_fsdp_checkpoint.build_rng_state`` the same "(pp, tp)"
 entry). The fix wraps ``_get_rng_state`` (per-rank layout), its module's ``dist_checkpointing.load``
 (the layout the checkpoint has, the old one with a warning) and, for fsdp_dtensor, its planner and
 ``select_rng_state``; the same layouts as above, so checkpoints move between ms-swift and Megatron-LM.
 
 Megatron-Bridge (``megatron.bridge.training.checkpointing``, gated by megatron-bridge <= 0.6.2;
-:mod:`.bridge`) keeps its own ``get_rng_state``: its torch_dist branch is per rank under EP already
+:mod:`.runtime.bridge`) keeps its own ``get_rng_state``: its torch_dist branch is per rank under EP already
 (``(pp, tp, dp_cp)``, ``replica_id=0``), its fsdp_dtensor entry is keyed "(pp, tp)" as above. The fix
 wraps ``get_rng_state`` (this rank's own "(pp, tp, dp_cp)" entry beside the release's) and
 ``load_fsdp_dtensor_checkpoint`` (asks for that entry where the checkpoint's metadata has it, hands it
 to ``load_checkpoint`` under the key it reads; the shared copy with a warning otherwise).
 
 verl (``verl.utils.checkpoint.megatron_checkpoint_manager``, gated by verl <= 0.9.1 whatever
-Megatron-Core it runs on; :mod:`.verl`) keeps its own copy: ``MegatronCheckpointManager.get_rng_state``
+Megatron-Core it runs on; :mod:`.runtime.verl`) keeps its own copy: ``MegatronCheckpointManager.get_rng_state``
 writes the same 2-D torch_dist object into ``extra/dist_ckpt`` and the same "(pp, tp)" entry for
 Megatron-FSDP. The fix wraps that method (per-rank layout; this rank's own "(pp, tp, dp_cp)" entry),
 the manager module's ``load_dist_checkpointing`` (the layout the checkpoint has, the old one with a
@@ -82,25 +82,25 @@ FIX = Fix(
         "NVIDIA-NeMo/Megatron-Bridge #5988: the same per-rank (pp, tp, dp_cp) RNG layout in Bridge",
     ),
     targets=(
-        Target(MODULE, f"{__name__}.patch:probe", f"{__name__}.patch:apply"),
+        Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),
         Target(
             "swift.megatron.utils.megatron_lm_utils",
-            f"{__name__}.ms_swift:probe",
-            f"{__name__}.ms_swift:apply",
+            f"{__name__}.runtime.ms_swift:probe",
+            f"{__name__}.runtime.ms_swift:apply",
             package="ms-swift",
             affected="<=4.6.0",
         ),
         Target(
             "megatron.bridge.training.checkpointing",
-            f"{__name__}.bridge:probe",
-            f"{__name__}.bridge:apply",
+            f"{__name__}.runtime.bridge:probe",
+            f"{__name__}.runtime.bridge:apply",
             package="megatron-bridge",
             affected="<=0.6.2",
         ),
         Target(
             "verl.utils.checkpoint.megatron_checkpoint_manager",
-            f"{__name__}.verl:probe",
-            f"{__name__}.verl:apply",
+            f"{__name__}.runtime.verl:probe",
+            f"{__name__}.runtime.verl:apply",
             package="verl",
             affected="<=0.9.1",
         ),

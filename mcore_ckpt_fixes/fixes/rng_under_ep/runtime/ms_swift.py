@@ -36,20 +36,20 @@ import sys
 import types
 import warnings
 
-from ...dcp_metadata import install as share_metadata_reads, shared_metadata
-from ...engine.patching import Patcher, mark, original
-from . import ID
+from ....dcp_metadata import install as share_metadata_reads, shared_metadata
+from ....engine.patching import Patcher, mark, original
+from .. import ID
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .patch import _Delegate, _ProbeMpu, _is_rng_object, torch_dist_verdict
+from .core import _Delegate, _ProbeMpu, _is_rng_object, torch_dist_verdict
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 FSDP_MODULE = "swift.megatron.utils.megatron_fsdp_checkpoint"
 
 
 def _warn(text):
-    from ...engine.errors import MegatronPatchWarning
+    from ....engine.errors import MegatronPatchWarning
 
     warnings.warn(text, MegatronPatchWarning, stacklevel=3)
 

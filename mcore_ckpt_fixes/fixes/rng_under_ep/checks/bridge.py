@@ -15,7 +15,7 @@ training run takes, on both of its formats:
 
 The model is not wrapped in Megatron-FSDP (its CUDA buffers cannot be built on a CPU host; the
 RNG entry does not depend on the wrapper): Bridge's ``fsdp_dtensor`` branches run on the plain
-model's state dict, as Megatron-LM's do in :mod:`.round_trips`.
+model's state dict, as Megatron-LM's do in :mod:`.core`.
 
 Seeding as a Bridge run does it: Bridge's ``_set_random_seed`` (Python, NumPy, torch from
 ``seed + 100 * pp_rank``); it seeds Megatron's RNG tracker (``model_parallel_cuda_manual_seed`` with
@@ -23,7 +23,7 @@ the tp/ep/etp ranks of the process groups, the expert stream per EP rank) only w
 on a CPU host this module makes the same call itself. Then every rank draws a rank-dependent number
 of values from every generator and tracker stream, so every component differs between the ranks.
 
-Stand-ins (test and selftest workers only): :class:`.round_trips.CudaRngStandIn` (one CPU generator
+Stand-ins (test and selftest workers only): :class:`.core.CudaRngStandIn` (one CPU generator
 plays the CUDA default generator) and, for ``import megatron.bridge``, the Transformer Engine
 stand-in of :func:`mcore_ckpt_fixes.testing.standins.install_transformer_engine_stand_in_for_bridge`
 (visible to ``megatron.bridge.peft.lora_layers``' import only).
@@ -39,10 +39,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import ID as FIX_ID
-from .round_trips import CudaRngStandIn, _model_tensors, _scramble, compare_exact, consume_streams, snapshot
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID as FIX_ID
+from .core import CudaRngStandIn, _model_tensors, _scramble, compare_exact, consume_streams, snapshot
 
 MODULE = "megatron.bridge.training.checkpointing"
 EP = 2
@@ -51,7 +51,7 @@ SEED, FRESH_SEED = 1234, 4321
 
 def prepare() -> None:
     """Run in the parent before any world starts: import what the ranks use, once."""
-    from ...testing.standins import install_transformer_engine_stand_in_for_bridge
+    from ....testing.standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     import megatron.bridge.training.checkpointing  # noqa: F401

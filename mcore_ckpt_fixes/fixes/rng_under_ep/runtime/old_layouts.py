@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import ID
+from .. import ID
 
 
 def stored_rng_shards(checkpoint_dir, key):

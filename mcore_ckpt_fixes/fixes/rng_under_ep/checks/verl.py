@@ -21,8 +21,8 @@ not on a CPU host).
 
 Stand-ins (these workers only, never ``import mcore_ckpt_fixes``):
 
-* :class:`.round_trips.CudaRngStandIn`: one CPU generator plays the CUDA default generator, so that
-  Megatron's RNG tracker holds a distinct state per stream (see round_trips.py);
+* :class:`.core.CudaRngStandIn`: one CPU generator plays the CUDA default generator, so that
+  Megatron's RNG tracker holds a distinct state per stream (see core.py);
 * what verl's constructor and save need and this round trip does not exercise: ``config`` with
   ``model.path``, a ``transformer_config`` namespace (rank 0 dumps it to JSON), no HF bridge (none is
   needed with ``["extra"]``);
@@ -49,10 +49,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import ID as FIX_ID
-from .round_trips import CudaRngStandIn, consume_streams, deltas
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID as FIX_ID
+from .core import CudaRngStandIn, consume_streams, deltas
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 EP = 2
@@ -106,7 +106,7 @@ def _bridge_stand_in():
         return state_dict, name, release, "fsdp_dtensor"
 
     module = types.ModuleType("megatron.bridge.training.checkpointing")
-    module.__doc__ = "mcore_ckpt_fixes test stand-in (verl_round_trips.py): DCP save/load as Megatron-Bridge 0.6.2"
+    module.__doc__ = "mcore_ckpt_fixes test stand-in (checks/verl.py): DCP save/load as Megatron-Bridge 0.6.2"
     module.save_fsdp_dtensor_checkpoint = save_fsdp_dtensor_checkpoint
     module.load_fsdp_dtensor_checkpoint = load_fsdp_dtensor_checkpoint
     return module

@@ -1,13 +1,13 @@
 """rng-under-ep in ms-swift as upstream would write it: what patches/rng-under-ep/ms-swift-<version>.patch
 carries, against ``swift/megatron/utils/megatron_lm_utils.py`` of the released wheel.
 
-The edits mirror the monkeypatch (:mod:`.ms_swift`) for ``torch_dist`` (the fsdp_dtensor entry is
+The edits mirror the monkeypatch (``runtime/ms_swift.py``) for ``torch_dist`` (the fsdp_dtensor entry is
 left as ms-swift writes it, as in the Megatron-LM diffs):
 
 * ``_get_rng_state`` describes the RNG state per rank: global shape ``(pp, tp, dp_cp)``, offset
   ``(pp_rank, tp_rank, dp_cp_rank)``, ``replica_id=0``;
 * ``load_mcore_checkpoint`` asks for the RNG shard in the layout the checkpoint has, through
-  ``_align_rng_state_request``, the same helper the Megatron-LM diff inserts (:mod:`.upstream`,
+  ``_align_rng_state_request``, the same helper the Megatron-LM diff inserts (:mod:`.core`,
   copied verbatim): per-rank, or the old 2-D layout with a warning; a rank the checkpoint has no
   state for keeps its own.
 
@@ -16,8 +16,8 @@ Nothing is imported from torch, Megatron or ms-swift here.
 
 from __future__ import annotations
 
-from ...sourcediff import PatchgenError, Replace, insert_before, replacement_section
-from . import upstream
+from ....sourcediff import PatchgenError, Replace, insert_before, replacement_section
+from . import core as upstream
 
 PATH = "swift/megatron/utils/megatron_lm_utils.py"
 

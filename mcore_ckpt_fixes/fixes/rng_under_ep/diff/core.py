@@ -1,11 +1,12 @@
 """rng-under-ep as upstream would write it: what patches/rng-under-ep/<release>.patch carries.
 
-The edits mirror the monkeypatch (:mod:`.patch`, :mod:`.old_layouts`) in effect:
+The edits mirror the monkeypatch (``runtime/core.py``, ``runtime/old_layouts.py``) in effect:
 
 * ``get_rng_state`` describes the torch_dist RNG state per rank: global shape
   ``(pp_size, tp_size, dp_cp_size)``, offset ``(pp_rank, tp_rank, dp_cp_rank)``, ``replica_id=0``;
 * ``_load_global_dist_base_checkpoint`` asks for the RNG shard in the layout the checkpoint has
-  (``_align_rng_state_request`` below, the source twin of :func:`.old_layouts.align_rng_request`):
+  (``_align_rng_state_request`` below, the source twin of ``runtime/old_layouts.py``'s
+  ``align_rng_request``):
   the per-rank layout (also after a data-parallel resize), or the old 2-D ``(pp, tp)`` one with a
   warning; a rank the checkpoint has no state for keeps its own, with a warning.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from ...sourcediff import PatchgenError, Replace, insert_before, replacement_section
+from ....sourcediff import PatchgenError, Replace, insert_before, replacement_section
 
 PATH = "megatron/training/checkpointing.py"
 
@@ -162,21 +163,8 @@ def _load_edits():
     ]
 
 
-# Frameworks that keep their own copy of the bug: ``<dist>-<version>`` names the framework's release,
-# and the framework's own upstream module (``<module>_upstream.py`` beside this one) has its edits.
-_FRAMEWORKS = {"verl": "verl", "ms-swift": "ms_swift", "megatron-bridge": "bridge"}
-
-
 def source_edits(release: str) -> list:
-    """The edits for ``release`` (0.17, 0.18 and 0.19 lines, or ``<framework dist>-<version>``), in
-    the order they are applied."""
-    dist, _, version = release.rpartition("-")
-    if dist:
-        if dist not in _FRAMEWORKS:
-            raise PatchgenError(f"rng-under-ep has no edits for {dist!r} (frameworks: {', '.join(_FRAMEWORKS)})")
-        import importlib
-
-        return importlib.import_module(f"{__package__}.{_FRAMEWORKS[dist]}_upstream").source_edits(version)
+    """The edits for ``release`` (0.17, 0.18 and 0.19 lines), in the order they are applied."""
     series = ".".join(release.split(".")[:2])
     if series in ("0.17", "0.18"):
         save = [Replace(PATH, _SAVE_017_OLD, _SAVE_017_NEW)]

@@ -1,14 +1,14 @@
 """rng-under-ep in verl as verl would write it: what patches/rng-under-ep/verl-<version>.patch carries.
 
 The edits to ``verl/utils/checkpoint/megatron_checkpoint_manager.py`` mirror the monkeypatch
-(:mod:`.verl`):
+(``runtime/verl.py``):
 
 * ``MegatronCheckpointManager.get_rng_state``: torch_dist per rank (global shape ``(pp, tp, dp_cp)``,
   offset ``(pp_rank, tp_rank, dp_cp_rank)``, ``replica_id=0``); Megatron-FSDP, this rank's own entry
   ``"(pp, tp, dp_cp)"`` (a copy) beside the shared ``"(pp, tp)"`` one;
 * ``load_checkpoint``: the ``extra/dist_ckpt`` RNG shard asked for in the layout the checkpoint has,
   by Megatron-Core's own source fix's helper ``_align_rng_state_request`` (the replacement section of
-  :mod:`.upstream`, verbatim), the old 2-D layout with a warning;
+  :mod:`.core`, verbatim), the old 2-D layout with a warning;
 * ``_load_megatron_fsdp_checkpoint``: asks for the own entry only where the checkpoint's metadata has
   it; ``load_rng_states`` restores it, else the shared copy with a warning.
 
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import sys
 
-from ...sourcediff import PatchgenError, Replace, insert_before, replacement_section
-from . import upstream
+from ....sourcediff import PatchgenError, Replace, insert_before, replacement_section
+from . import core as upstream
 
 PATH = "verl/utils/checkpoint/megatron_checkpoint_manager.py"
 
 
 # -- replacement ---------------------------------------------------------------------------------
-# Inserted before ``class MegatronCheckpointManager``, verbatim (with upstream.py's helper before it).
+# Inserted before ``class MegatronCheckpointManager``, verbatim (with core.py's helper before it).
 
 def _drop_absent_rng_entry(sharded_state_dict, checkpoint_dir):
     """Megatron-FSDP load: ask for this rank's own RNG entry only where the checkpoint holds one

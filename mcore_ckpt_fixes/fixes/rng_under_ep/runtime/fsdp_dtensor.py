@@ -31,8 +31,8 @@ from __future__ import annotations
 import copy
 import re
 
-from ...engine.patching import mark
-from . import ID
+from ....engine.patching import mark
+from .. import ID
 
 _PP_TP_KEY = re.compile(r"^\((\d+), (\d+)\)$")
 _MARKER_LEAF = "random_rng_state"  # an object leaf of every entry (Python's random state: a tuple)

@@ -1,6 +1,6 @@
 """rng-under-ep in Megatron-Bridge as upstream would write it: patches/rng-under-ep/megatron-bridge-<version>.patch.
 
-The edits mirror the monkeypatch (:mod:`.bridge`) in effect, on ``fsdp_dtensor`` only (Bridge's
+The edits mirror the monkeypatch (``runtime/bridge.py``) in effect, on ``fsdp_dtensor`` only (Bridge's
 torch_dist RNG state is per rank under EP already):
 
 * ``get_rng_state`` writes every rank's own entry ``"(pp, tp, dp_cp)"`` beside the ``"(pp, tp)"``
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from ...sourcediff import PatchgenError, Replace, insert_after, insert_before, replacement_section
+from ....sourcediff import PatchgenError, Replace, insert_after, insert_before, replacement_section
 
 PATH = "megatron/bridge/training/checkpointing.py"
 

@@ -43,11 +43,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...testing.compare import max_abs_delta, worst
-from ...testing.result import RoundTrip
-from ...testing.states import fix_states
-from . import ID as FIX_ID
-from . import MODULE
+from ....testing.compare import max_abs_delta, worst
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID as FIX_ID
+from .. import MODULE
 
 EP = 2
 SEED, FRESH_SEED = 1234, 4321

@@ -35,12 +35,12 @@ import dataclasses
 import sys
 import types
 
-from ...dcp_metadata import install as share_metadata_reads, shared_metadata
-from ...engine.patching import Patcher, mark, original
-from . import ID
+from ....dcp_metadata import install as share_metadata_reads, shared_metadata
+from ....engine.patching import Patcher, mark, original
+from .. import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .patch import _Delegate, _ProbeMpu, torch_dist_verdict
+from .core import _Delegate, _ProbeMpu, torch_dist_verdict
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 CLASS = "MegatronCheckpointManager"
@@ -75,7 +75,7 @@ def _is_rng_object(obj) -> bool:
 def _warn(text):
     import warnings
 
-    from ...engine.errors import MegatronPatchWarning
+    from ....engine.errors import MegatronPatchWarning
 
     warnings.warn(text, MegatronPatchWarning, stacklevel=3)
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 import sys
 import types
 
-from ...dcp_metadata import install as share_metadata_reads, shared_metadata
-from ...engine.patching import Patcher, mark, original
-from ...engine.probing import Group
-from . import ID
+from ....dcp_metadata import install as share_metadata_reads, shared_metadata
+from ....engine.patching import Patcher, mark, original
+from ....engine.probing import Group
+from .. import ID
 from .fsdp_dtensor import _own_key, drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
-from .patch import _bind, _Delegate
+from .core import _bind, _Delegate
 
 MODULE = "megatron.bridge.training.checkpointing"
 
@@ -104,7 +104,7 @@ def _load_fsdp_dtensor_checkpoint(*args, **kwargs):
     if warning is not None:
         import warnings
 
-        from ...engine.errors import MegatronPatchWarning
+        from ....engine.errors import MegatronPatchWarning
 
         warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
     return result

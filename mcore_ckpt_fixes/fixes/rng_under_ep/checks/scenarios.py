@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ...testing.registry import Bug, Scenario
-from . import ID
+from ....testing.registry import Bug, Scenario
+from .. import ID
 
-_RNG = "mcore_ckpt_fixes.fixes.rng_under_ep.round_trips"
+_RNG = f"{__package__}.core"
 # Unpatched: the round trip completes and EP rank 1 restores EP rank 0's RNG states.
 SCENARIOS = (
     Scenario(

@@ -16,7 +16,7 @@ ms-swift's code.
 
 CPU stand-ins (these workers only, never by ``import mcore_ckpt_fixes``):
 
-* :class:`.round_trips.CudaRngStandIn` (a CPU generator plays the CUDA generator; ms-swift's
+* :class:`.core.CudaRngStandIn` (a CPU generator plays the CUDA generator; ms-swift's
   ``_load_iteration`` all-reduces the iteration in a CUDA tensor, which becomes a CPU tensor), and
   ``cpu_shims`` (``torch.cuda.current_device()`` is the CPU: ``initialize_megatron`` sets the MoE
   aux-loss scale on it). ``mcore_bridge.set_random_seed`` seeds Megatron's RNG tracker only where a
@@ -51,9 +51,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ...testing.states import fix_states
-from . import ID as FIX_ID
-from .round_trips import (
+from ....testing.states import fix_states
+from .. import ID as FIX_ID
+from .core import (
     EP,
     FRESH_SEED,
     SEED,

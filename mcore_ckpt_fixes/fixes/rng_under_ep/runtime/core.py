@@ -11,10 +11,10 @@ import inspect
 import sys
 import types
 
-from ...dcp_metadata import install as share_metadata_reads, shared_metadata
-from ...engine.patching import Patcher, mark, original
-from ...engine.probing import Group
-from . import ID, MODULE
+from ....dcp_metadata import install as share_metadata_reads, shared_metadata
+from ....engine.patching import Patcher, mark, original
+from ....engine.probing import Group
+from .. import ID, MODULE
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request, restores_own_copy
@@ -135,7 +135,7 @@ def _load_aligned(func, bound, template):
 def _warn(text, stacklevel):
     import warnings
 
-    from ...engine.errors import MegatronPatchWarning
+    from ....engine.errors import MegatronPatchWarning
 
     warnings.warn(text, MegatronPatchWarning, stacklevel=stacklevel)
 
@@ -144,7 +144,7 @@ def _tell_old_layout(text, template, args, result):
     """The old layout's one copy was restored: a warning on a rank whose restored state is not its
     own; where it is, the same text is logged (INFO on global rank 0, DEBUG elsewhere), so that a job
     hears of the old layout once, not once per rank."""
-    from ...engine import logs
+    from ....engine import logs
 
     try:
         from megatron.core import parallel_state as mpu
@@ -186,7 +186,7 @@ def load_base_checkpoint(*args, **kwargs):
     if warning is not None:
         import warnings
 
-        from ...engine.errors import MegatronPatchWarning
+        from ....engine.errors import MegatronPatchWarning
 
         warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
     return result
