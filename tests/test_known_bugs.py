@@ -57,7 +57,7 @@ def test_every_fix_is_catalogued_and_covers_what_its_entries_affect():
         assert inside and all(r in fixes[b["fix"]].specifiers for r in inside), (b["id"], inside)
 
 
-def test_the_resume_checks_known_failure_is_catalogued_as_open():
+def test_the_resume_checks_known_failures_are_catalogued_as_open():
     from mcore_ckpt_fixes.resume.configs import KNOWN_BUG
 
     by_id = {b["id"]: b for b in known_bugs.load()}
@@ -65,6 +65,16 @@ def test_the_resume_checks_known_failure_is_catalogued_as_open():
         assert by_id[bug_id]["status"] == "open", bug_id
         for rel in ("0.17.1", "0.19.2"):  # where tests/resume reproduces it
             assert SpecifierSet(by_id[bug_id]["affected"]).contains(rel), (bug_id, rel)
+
+
+def test_the_resume_check_on_torch_adam_needs_the_fix_of_its_catalogued_bug():
+    """``moe-ep2-torch-adam`` resumes exactly with torch-adam-step (tests/resume); the failure it
+    showed before, ``torch-adam-fresh-load``, is catalogued as fixed by it."""
+    from mcore_ckpt_fixes.resume.configs import by_name
+
+    entry = {b["id"]: b for b in known_bugs.load()}["torch-adam-fresh-load"]
+    assert (entry["status"], entry["fix"]) == ("fixed", "torch-adam-step")
+    assert "torch-adam-step" in by_name("moe-ep2-torch-adam").needs
 
 
 def _entry(bug_id, affected, status, silent=False):

@@ -14,4 +14,5 @@ ORDER = (
     "expert-keys",
     "rng-under-ep",
     "hsdp-ep-guard",
+    "torch-adam-step",
 )

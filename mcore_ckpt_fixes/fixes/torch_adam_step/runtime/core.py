@@ -1,0 +1,181 @@
+"""torch-adam-step's monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: three wrappers of
+``DistributedOptimizer`` methods, the probe and apply. Why: the package's docstring. Imported only
+when the target module is.
+
+Each wrapper hands the call to the release's own method and changes only what torch's per-parameter
+step needs; with Transformer Engine's or Apex's FusedAdam (no per-parameter step) they change nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from ....engine.patching import Patcher, is_replacement, mark, original
+from .. import ID, MODULE
+
+CLASS = "DistributedOptimizer"
+
+
+def _cls():
+    return getattr(sys.modules[MODULE], CLASS)
+
+
+def _torch_adam() -> bool:
+    """The release took torch's Adam (no TE / Apex FusedAdam), decided at its import."""
+    return not getattr(sys.modules[MODULE], "HAVE_APEX_OR_TE", True)
+
+
+def _main_param_state(self, model_param):
+    """The torch optimizer's state of ``model_param``'s main-parameter shard, where the release keeps
+    it in ``self.optimizer.state`` (not the precision-aware optimizer, whose state is scaled)."""
+    config = self.config
+    if getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False) or getattr(
+        config, "use_precision_aware_optimizer", False
+    ):
+        return None
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    return self.optimizer.state.get(main_param)
+
+
+@mark(ID)
+def state_dict(self):
+    """``DistributedOptimizer.state_dict``; on torch's Adam before its first step (no parameter has
+    state yet) the param groups say step 0, where the release asserts that one step exists."""
+    if not _torch_adam() or len(self.optimizer.state) > 0:
+        return original(_cls(), "state_dict")(self)
+    inner = self.optimizer.state_dict()
+    out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+    for group in out["optimizer"]["param_groups"]:
+        del group["params"]
+        group["step"] = 0.0  # torch's Adam counts from 0 (``state['step'] = tensor(0.0)``)
+    if self.grad_scaler:
+        out["grad_scaler"] = self.grad_scaler.state_dict()
+    return out
+
+
+@mark(ID)
+def set_main_param_and_optimizer_states(self, model_param, tensors):
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that leaves the parameter's
+    step as it is: ``load_state_dict`` has just set it from the checkpoint's param groups, and the
+    loaded per-parameter state has none (fully_reshardable, fully_sharded_model_space) or the one
+    the optimizer had before the load (dp_reshardable's non-persistent entry)."""
+    # Only on torch's Adam: HybridDeviceOptimizer (CPU offload beside a FusedAdam) keeps per-parameter
+    # steps too, but its own branches are not what this fix covers or checks.
+    state = _main_param_state(self, model_param) if _torch_adam() else None
+    step = state.get("step") if state is not None else None
+    if step is not None and hasattr(step, "copy_"):
+        # The release copies ``tensors[k]`` into every tensor of the state: the step onto itself.
+        tensors = {**tensors, "step": step}
+    return original(_cls(), "_set_main_param_and_optimizer_states")(self, model_param, tensors)
+
+
+@mark(ID)
+def load_state_dict(self, state_dict):
+    """``DistributedOptimizer.load_state_dict``, then every parameter owns its step tensor (the
+    release gives all of them one tensor, which torch's Adam would increment once per parameter),
+    and torch's param groups hold no step: it only carried the checkpoint's into each parameter's
+    state; torch's Adam keeps none in its groups, and one left there would stay at the loaded value."""
+    result = original(_cls(), "load_state_dict")(self, state_dict)
+    if _torch_adam():
+        own_step_tensors(self.optimizer.state.values())
+        for group in self.optimizer.param_groups:
+            group.pop("step", None)
+    return result
+
+
+def own_step_tensors(states) -> None:
+    seen = set()
+    for state in states:
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is None or not hasattr(step, "clone"):
+            continue
+        if id(step) in seen:
+            state["step"] = step.clone()
+        else:
+            seen.add(id(step))
+
+
+# -- probe: the release's own methods on inert stand-ins --------------------------------------------
+
+
+def _release_method(cls, name):
+    fn = cls.__dict__[name]
+    return original(cls, name) if is_replacement(fn) else fn
+
+
+def _stand_in(torch, step=None):
+    """What the two methods read of a DistributedOptimizer: one model parameter, its main-parameter
+    shard in a torch Adam (with state when ``step`` is given), no grad scaler."""
+    model_param, main_param = torch.zeros(2), torch.nn.Parameter(torch.zeros(2))
+    adam = torch.optim.Adam([main_param])
+    if step is not None:
+        adam.state[main_param] = {
+            "step": torch.tensor(step),
+            "exp_avg": torch.zeros(2),
+            "exp_avg_sq": torch.zeros(2),
+        }
+    config = types.SimpleNamespace(
+        use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False
+    )
+    opt = types.SimpleNamespace(
+        optimizer=adam,
+        grad_scaler=None,
+        config=config,
+        ddp_config=types.SimpleNamespace(use_custom_fsdp=False, use_megatron_fsdp=False),
+        model_param_group_index_map={model_param: (0, 0)},
+    )
+    return opt, model_param, main_param
+
+
+def defects(module) -> list:
+    """Which of (a), (b), (c) the release's own code shows on torch's Adam (its flag set to the
+    torch path for the duration: the code is there whichever Adam this installation imports)."""
+    import torch
+
+    cls = module.__dict__[CLASS]
+    saved = module.__dict__.get("HAVE_APEX_OR_TE")
+    module.HAVE_APEX_OR_TE = False
+    found = []
+    try:
+        opt, _, _ = _stand_in(torch)
+        try:
+            _release_method(cls, "state_dict")(opt)
+        except AssertionError:
+            found.append("(a) state_dict of a fresh optimizer asserts that one step exists")
+        set_states = torch.no_grad()(_release_method(cls, "_set_main_param_and_optimizer_states"))
+        loaded = {"param": torch.ones(2), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+        opt, model_param, main_param = _stand_in(torch, step=3.0)
+        set_states(opt, model_param, {**loaded, "step": torch.tensor(1.0)})
+        if float(opt.optimizer.state[main_param]["step"]) != 3.0:
+            found.append("(b) a per-parameter step in the loaded state overwrites the param groups' step")
+        opt, model_param, main_param = _stand_in(torch, step=3.0)
+        try:
+            set_states(opt, model_param, loaded)
+        except KeyError:
+            found.append("(c) a loaded state without per-parameter step raises KeyError: 'step'")
+    finally:
+        module.HAVE_APEX_OR_TE = saved
+    return found
+
+
+def probe(module: types.ModuleType):
+    if CLASS not in module.__dict__:
+        return None, f"{MODULE} has no {CLASS}"
+    found = defects(module)
+    if not found:
+        return False, "DistributedOptimizer hands torch Adam's step over from the param groups on every load path"
+    where = (
+        "this installation uses torch's Adam"
+        if not module.__dict__.get("HAVE_APEX_OR_TE", True)
+        else "reached only on torch's Adam (this installation imports a FusedAdam)"
+    )
+    return True, f"DistributedOptimizer on torch's Adam: {'; '.join(found)} ({where})"
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    cls = module.__dict__[CLASS]
+    patcher.replace(cls, "state_dict", state_dict)
+    patcher.replace(cls, "_set_main_param_and_optimizer_states", set_main_param_and_optimizer_states)
+    patcher.replace(cls, "load_state_dict", load_state_dict)

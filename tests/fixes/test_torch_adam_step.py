@@ -1,0 +1,119 @@
+"""torch-adam-step: both halves on every release line, in one warm world per half.
+
+World 2 (DP=2, gloo on CPU), a one-layer GPT in bf16, Megatron's DDP and distributed optimizer on
+torch's Adam (no Transformer Engine or Apex here, so Megatron takes its fallback), saved and loaded
+with ``dist_checkpointing`` as ``dp_reshardable`` and ``fully_reshardable``; the target optimizer
+fresh or after one step. See mcore_ckpt_fixes/fixes/torch_adam_step/checks/core.py.
+"""
+
+import pytest
+
+from mcore_ckpt_fixes.fixes.torch_adam_step import FIX
+from mcore_ckpt_fixes.fixes.torch_adam_step.checks import scenarios as sc
+from mcore_ckpt_fixes.testing import for_fix, resolve
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+
+CORE = "mcore_ckpt_fixes.fixes.torch_adam_step.checks.core"
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
+# What the fix-off half shows per case on a release that needs the fix (every CI line).
+UNPATCHED = {
+    "fresh_load": ("load_request", "AssertionError: "),
+    "stale_step": ("step", "AssertionError: per-parameter step after the load: [1.0], the checkpoint's: 3.0"),
+    "fully_reshardable": ("load", "KeyError: 'step'"),
+    "fresh_fully_reshardable": ("load_request", "AssertionError: "),
+}
+
+
+def test_registry():
+    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {
+        n: (f"{CORE}:{n}", 2) for n in ("fresh_load", "stale_step", "fully_reshardable")
+    }
+    for name, s in SCENARIOS.items():
+        bug = next(iter(s.bug.values()))
+        assert (bug.kind, bug.phase, bug.error) == ("raises",) + UNPATCHED[name], name
+    assert sc.STALE_STEP_BUG is SCENARIOS["stale_step"].bug[">=0.16.0,<=0.19.2"]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, mcore_version):
+    """Both halves, every case, one world each (the cases share one save per sharding type)."""
+    if mcore_version not in FIX.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    resolve(f"{CORE}:prepare")()
+    out = {}
+    for patched in (False, True):
+        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
+        out[patched] = values(run_world(f"{CORE}:cases", 2, {"ckpt_dir": ckpt, "patched": patched}, env=env))
+    return out
+
+
+@pytest.mark.parametrize("case", list(UNPATCHED))
+def test_unpatched_shows_the_documented_failure(worlds, case, mcore_version):
+    results = [r[case] for r in worlds[False]]
+    for rank, r in enumerate(results):
+        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
+        assert (r["phase"], r["error"]) == UNPATCHED[case], (rank, r.get("traceback"))
+    if case in SCENARIOS:  # selftest's judgement agrees
+        assert SCENARIOS[case].bug_for(mcore_version).seen_in(results)
+
+
+@pytest.mark.parametrize("case", list(UNPATCHED))
+def test_patched_restores_every_step_and_the_next_step_matches(worlds, case):
+    for rank, r in enumerate(w[case] for w in worlds[True]):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        assert r["steps"] == [3.0], (rank, r["steps"])
+        deltas = r["max_delta"]
+        # main-parameter shards, exp_avg, exp_avg_sq and model parameters, after the load and after
+        # one more step (against the uninterrupted run)
+        kinds = {k.split("/")[0] if not k.startswith("next/") else "next/" + k.split("/")[1] for k in deltas}
+        assert kinds == {"model", "main", "exp_avg", "exp_avg_sq"} | {
+            f"next/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")
+        }, (rank, kinds)
+        assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
+
+
+def test_probe_finds_the_three_defects(mcore_version):
+    import megatron.core.optimizer.distrib_optimizer as m
+    from mcore_ckpt_fixes.fixes.torch_adam_step.runtime import core
+
+    flag = m.HAVE_APEX_OR_TE  # False on these CPU lines: neither TE nor Apex is installed
+    verdict, why = core.probe(m)  # the release's own methods, even after apply
+    assert m.HAVE_APEX_OR_TE is flag  # the probe puts the flag back
+    assert verdict is True and why.startswith("DistributedOptimizer on torch's Adam: (a) "), why
+    assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)"], why
+    if not flag:
+        assert why.endswith("(this installation uses torch's Adam)"), why
+
+
+def test_fused_adam_path_goes_to_the_release(monkeypatch):
+    """With a FusedAdam (the step in the param groups) the wrappers hand every call to the release."""
+    import torch
+
+    import mcore_ckpt_fixes
+    import megatron.core.optimizer.distrib_optimizer as m
+    from mcore_ckpt_fixes.fixes.torch_adam_step.runtime import core
+
+    mcore_ckpt_fixes.apply()
+    opt, _, _ = core._stand_in(torch)
+    with pytest.raises(AssertionError):  # the release's torch branch on a fresh optimizer
+        core._release_method(m.DistributedOptimizer, "state_dict")(opt)
+    assert core.state_dict(opt)["optimizer"]["param_groups"][0]["step"] == 0.0
+    monkeypatch.setattr(m, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(m, "USING_APEX_OPTIMIZER", True, raising=False)
+    groups = core.state_dict(opt)["optimizer"]["param_groups"]
+    assert "step" not in groups[0]  # FusedAdam's branch: no step in a group that has none
+
+
+def test_own_step_tensors():
+    import torch
+
+    from mcore_ckpt_fixes.fixes.torch_adam_step.runtime.core import own_step_tensors
+
+    shared = torch.tensor(3.0)
+    states = [{"step": shared}, {"step": shared}, {"exp_avg": torch.zeros(1)}]
+    own_step_tensors(states)
+    assert states[0]["step"] is shared and states[1]["step"] is not shared
+    assert float(states[1]["step"]) == 3.0
