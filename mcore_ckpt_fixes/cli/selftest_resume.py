@@ -28,6 +28,14 @@ def _off_note(cfg_out) -> str:
     return f"needs {', '.join(needed)}" if needed else ""
 
 
+def _progress_text(row) -> str:
+    if "not_applicable" in row:
+        return "not applicable"
+    if "known_bug" in row:
+        return f"{row['on']['verdict']} with the fixes (known bug {row['known_bug']})"
+    return f"{row['on']['verdict']} with the fixes, {row['off']['verdict']} without"
+
+
 def describe(mode_out) -> str:
     """One line: exact, the error, or where the resumed run first differs."""
     if mode_out["verdict"] == "error":
@@ -66,6 +74,9 @@ def _print(rows, info, torch_version, device, total, code) -> None:
     verdict = (
         "every configuration exact with the fixes on" if code == 0 else "a configuration is not exact with the fixes on"
     )
+    skipped = sum("not_applicable" in row for row in rows)
+    if skipped:  # not run is never counted as exact
+        verdict += f"; {skipped} not applicable here, not run"
     print(f"{'PASS' if code == 0 else 'FAIL'}: {verdict} ({total:.0f} s)")
 
 
@@ -113,13 +124,8 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
             if known:
                 row["known_bug"] = known
             rows.append(row)
-            progress(
-                f" {row['on']['verdict']} with the fixes"
-                + (f", {row['off']['verdict']} without" if "off" in row else f" (known bug {known})")
-                + f" ({time.monotonic() - start:.0f} s)",
-                "\n",
-            )
-    code = 0 if all(r["on"]["verdict"] == "exact" for r in rows if "known_bug" not in r) else 1
+            progress(f" {_progress_text(row)} ({time.monotonic() - start:.0f} s)", "\n")
+    code = 0 if all(r["on"]["verdict"] == "exact" for r in rows if "on" in r and "known_bug" not in r) else 1
     if code == 0:
         os.unlink(log_path)
     else:
@@ -128,6 +134,7 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         for mode in ("on", "off"):
             for r in row.get(mode, {}).get("ranks", []):
                 r.pop("differ_all", None)
+                r.pop("compared_all", None)
     if as_json:
         print(json.dumps(rows, indent=2, default=str))
     else:

@@ -15,7 +15,6 @@ import tempfile
 from ..testing.launcher import run_world
 from .configs import CONFIGS
 
-JOB = "mcore_ckpt_fixes.resume.job:run"
 MODES = {"on": {"MCORE_CKPT_FIXES": "auto"}, "off": {"MCORE_CKPT_FIXES": "off"}}
 STEPS, RESUME_AT = 4, 2
 
@@ -30,13 +29,17 @@ def prepare() -> None:
     import megatron.training.initialize  # noqa: F401
     import megatron.training.training  # noqa: F401
 
+    from ..fixes.mimo_optimizer.round_trips import prepare as prepare_mimo
+
+    prepare_mimo()
+
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
     # CUDA state does not survive a fork: on a GPU the ranks are fresh interpreters (gloo still,
     # so that several ranks may share one GPU).
     method = "spawn" if device == "cuda" else "fork"
-    results = run_world(JOB, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
+    results = run_world(cfg.job, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
     failed = [r for r in results if not r.ok]
     if failed:
         last = (failed[0].error or "").strip().splitlines()
@@ -61,24 +64,43 @@ def _mode(cfg, mode, uninterrupted, device, timeout):
 
 
 def needed_here(cfg) -> list:
-    """The fixes of ``cfg.needs`` that this release needs (applied with default flags)."""
+    """The fixes of ``cfg.needs`` that this release needs (applied with default flags, and a release
+    of ``cfg.needs_releases`` where the configuration says so)."""
     import mcore_ckpt_fixes
 
+    if cfg.needs_releases:
+        from packaging.specifiers import SpecifierSet
+
+        from ..engine.version import detect
+
+        version = detect().version
+        if version is None or version not in SpecifierSet(cfg.needs_releases, prereleases=True):
+            return []
     states = {row["id"]: row["state"] for row in mcore_ckpt_fixes.report()}
     return [f for f in cfg.needs if states.get(f) == "applied"]
 
 
+def missing_requirement(cfg) -> str:
+    """Why this release cannot build ``cfg`` ('' if it can)."""
+    if not cfg.requires:
+        return ""
+    import importlib
+
+    try:
+        importlib.import_module(cfg.requires)
+    except ImportError as exc:
+        return f"{cfg.requires} does not import on this release ({exc})"
+    return ""
+
+
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     """One configuration's report: per mode its verdict and, per rank, what differs."""
-    out = {
-        "config": cfg.name,
-        "summary": cfg.summary,
-        "world": cfg.world,
-        "needs": list(cfg.needs),
-        "needed_here": needed_here(cfg),
-        "steps": STEPS,
-        "resume_at": RESUME_AT,
-    }
+    out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs)}
+    why = missing_requirement(cfg)
+    if why:  # never a pass: the row says why it did not run
+        out["not_applicable"] = why
+        return out
+    out.update({"needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT})
     uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["on"], device, timeout)
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
