@@ -4,7 +4,8 @@ Per configuration (:mod:`.configs`): run A trains ``steps`` steps; run B trains 
 and saves through ``save_checkpoint``; run C is a new world of new processes that builds the same
 job, ``load_checkpoint`` s and trains the remaining steps. A and C are compared per rank, bit for
 bit (:mod:`.compare`). B and C run twice: with the fixes at their defaults and with every fix off
-(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release.
+(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release; on
+request a third time with only the fixes the configuration declares it needs (``only``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from ..testing.launcher import run_world
 from .configs import CONFIGS
 
 MODES = {"on": {"MCORE_CKPT_FIXES": "auto"}, "off": {"MCORE_CKPT_FIXES": "off"}}
+# Attribution: only the fixes the configuration declares it needs (``cfg.needs``), every other off.
+ONLY = "only"
+
+
+def mode_env(cfg, mode) -> dict:
+    """The fix flags of one mode's runs."""
+    if mode == ONLY:
+        if not cfg.needs:
+            raise ValueError(f"{cfg.name} needs no fix: there is nothing to attribute")
+        return {"MCORE_CKPT_FIXES": ",".join(cfg.needs)}
+    return MODES[mode]
+
+
 STEPS, RESUME_AT = 4, 2
 
 
@@ -54,7 +68,7 @@ def _mode(cfg, mode, uninterrupted, device, timeout):
     ckpt_dir = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-")
     try:
         for phase in ("save", "resume"):
-            values, error, detail = _world(cfg, phase, ckpt_dir, MODES[mode], device, timeout)
+            values, error, detail = _world(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
             if error:
                 return {"verdict": "error", "error": error, "detail": detail}
         ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
@@ -94,7 +108,9 @@ def missing_requirement(cfg) -> str:
 
 
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
-    """One configuration's report: per mode its verdict and, per rank, what differs."""
+    """One configuration's report: per mode its verdict and, per rank, what differs. Modes: ``on``
+    (every fix at its default), ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs``
+    on; the run C must be exact with them alone, so the fixes it needs are all it declares)."""
     out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs)}
     why = missing_requirement(cfg)
     if why:  # never a pass: the row says why it did not run

@@ -34,10 +34,23 @@ def _needs_training():
         pytest.skip(f"not applicable on {version}: {why}")
 
 
+# Attribution, on one configuration and one line (one more save and resume: the same code runs
+# every configuration's "only" mode): with only the fixes it declares (MCORE_CKPT_FIXES=
+# mimo-optimizer, every other fix off), the MIMO configuration resumes exactly on 0.18, where with
+# every fix off it cannot even save.
+ATTRIBUTED = (MIMO.name, (0, 18))
+
+
+def _attributed_here(cfg):
+    version = megatron_version()
+    return cfg.name == ATTRIBUTED[0] and version is not None and version.release[:2] == ATTRIBUTED[1]
+
+
 _CACHE: dict = {}
 
 
-def _checked(cfg, modes=("on", "off")):
+def _checked(cfg, modes=None):
+    modes = modes or (("on", "off", resume.ONLY) if _attributed_here(cfg) else ("on", "off"))
     if cfg.name not in _CACHE:
         resume.prepare()
         _CACHE[cfg.name] = resume.check(cfg, modes=modes)
@@ -110,6 +123,20 @@ def _assert_mimo_without_the_fix(off):
     assert off["verdict"] == "error", _fail_text(off)
     expected = "save run: rank 0: mcore_ckpt_fixes.resume.mimo._Failed: save (raised on rank 0): "
     assert off["error"] == expected + " ".join(MIMO_WORLD2_BUG.error.split()), off["error"]
+
+
+def test_only_the_needed_fixes_resume_exactly():
+    """The fixes a configuration declares are all it needs: with only those on, exact on every rank."""
+    _needs_training()
+    if not _attributed_here(MIMO):
+        pytest.skip(f"attribution runs for {ATTRIBUTED[0]} on {'.'.join(map(str, ATTRIBUTED[1]))} only (test time)")
+    out = _checked(MIMO)
+    assert out["needed_here"] == ["mimo-optimizer"], out["needed_here"]  # without it, no save (above)
+    assert resume.mode_env(MIMO, resume.ONLY) == {"MCORE_CKPT_FIXES": "mimo-optimizer"}
+    only = out[resume.ONLY]
+    assert only["verdict"] == "exact", _fail_text(only)
+    assert len(only["ranks"]) == MIMO.world
+    assert [r["n_compared"] for r in only["ranks"]] == [r["n_compared"] for r in out["on"]["ranks"]]
 
 
 def test_mimo_ranks_train_their_own_module():
@@ -193,4 +220,14 @@ def test_selftest_resume_bad_nproc_is_one_line_exit_2():
     proc = run_cli(["selftest", "--resume", "--nproc", "3"])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == "mcore-ckpt-fixes selftest --resume: no configuration runs on 3 ranks"
+    assert proc.stdout == ""
+
+
+def test_attribution_without_resume_is_one_line_exit_2():
+    """``--attribution`` belongs to the resume check: alone it says so and runs nothing."""
+    from conftest import run_cli
+
+    proc = run_cli(["selftest", "--attribution"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mcore-ckpt-fixes selftest: --attribution goes with --resume"
     assert proc.stdout == ""
