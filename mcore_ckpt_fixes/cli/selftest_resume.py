@@ -9,6 +9,7 @@ where run); 1 when one is not (or could not run); 2 when the check cannot run he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -111,7 +112,10 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: boo
     if not configs:  # decided before anything heavy is imported
         print(f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} ranks", file=sys.stderr)
         return 2
-    why = resume.not_applicable()
+    # The first import of megatron.training: it sends the root logger to what sys.stdout is then
+    # (its CustomHandler), and the fixes applied at that import log there. stdout is --json's.
+    with contextlib.redirect_stdout(sys.stderr):
+        why = resume.not_applicable()
     torch_version, stack_skip = stack(device, None)
     if why or torch_version is None:
         print(f"mcore-ckpt-fixes selftest --resume: not applicable here: {why or stack_skip}", file=sys.stderr)
@@ -126,13 +130,13 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: boo
         )
     import mcore_ckpt_fixes
 
-    mcore_ckpt_fixes.revert()
-    mcore_ckpt_fixes.apply()
     began = time.monotonic()
     fd, log_path = tempfile.mkstemp(prefix="mcore-ckpt-fixes-resume-", suffix=".log")
     os.close(fd)
     rows = []
     with captured(log_path):
+        mcore_ckpt_fixes.revert()
+        mcore_ckpt_fixes.apply()
         resume.prepare()
         todo = configs + [c for c in KNOWN_FAILING if nproc is None or c.world == nproc]
         for i, cfg in enumerate(todo, 1):
