@@ -157,12 +157,15 @@ def _assert_mimo_compares_everything(names):
 
 def test_mimo_not_applicable_without_mimo_optimizer():
     """A release without MimoOptimizer reports the configuration as not applicable, with the reason;
-    it is never run or counted as exact (0.16.x: the real module is missing; elsewhere a missing one)."""
+    it is never run or counted as exact. Shown with a module this release lacks in MimoOptimizer's
+    place (on 0.16, which has neither, the whole check is not applicable: test below)."""
     import dataclasses
 
-    cfg = MIMO if resume.missing_requirement(MIMO) else dataclasses.replace(MIMO, requires="megatron.core.no_such_mimo")
+    _needs_training()
+    assert not resume.missing_requirement(MIMO)  # megatron.core.models.mimo ships with megatron.training
+    cfg = dataclasses.replace(MIMO, requires="megatron.core.models.mimo.no_such_optimizer")
     out = resume.check(cfg)
-    assert "does not import on this release" in out["not_applicable"], out
+    assert out["not_applicable"].startswith("megatron.core.models.mimo.no_such_optimizer does not import"), out
     assert "on" not in out and "off" not in out, out
 
 
