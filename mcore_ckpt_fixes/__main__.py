@@ -85,6 +85,12 @@ def _build_parser() -> "_Parser":
         help="run the resume check instead: train, save, stop, resume in new processes, and "
         "compare with the uninterrupted run bit for bit, with the fixes on and off",
     )
+    p_self.add_argument(
+        "--attribution",
+        action="store_true",
+        help="with --resume: also resume each configuration that needs fixes with only those fixes on "
+        "(MCORE_CKPT_FIXES=<its fixes>, every other off); it must be exact too",
+    )
     p_insp = sub.add_parser(
         "inspect",
         help="the checkpoint doctor: what is on disk and whether a run with these sizes can read it",
@@ -127,7 +133,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.resume:
             from .cli.selftest_resume import run as run_resume
 
-            return run_resume(device=args.device, nproc=args.nproc, as_json=args.json)
+            return run_resume(device=args.device, nproc=args.nproc, as_json=args.json, attribution=args.attribution)
+        if args.attribution:
+            print("mcore-ckpt-fixes selftest: --attribution goes with --resume", file=sys.stderr)
+            return 2
         from .cli.selftest import run as run_selftest
 
         return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json)

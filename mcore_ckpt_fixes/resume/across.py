@@ -80,6 +80,7 @@ def _ranks(expected, resumed) -> list:
     ranks = [rank_verdict(a, c) for a, c in zip(expected, resumed)]
     for r in ranks:
         r.pop("differ_all")  # the count and the first names say enough in a report
+        r.pop("compared_all")
     return ranks
 
 

@@ -4,7 +4,8 @@ Per configuration (:mod:`.configs`): run A trains ``steps`` steps; run B trains 
 and saves through ``save_checkpoint``; run C is a new world of new processes that builds the same
 job, ``load_checkpoint`` s and trains the remaining steps. A and C are compared per rank, bit for
 bit (:mod:`.compare`). B and C run twice: with the fixes at their defaults and with every fix off
-(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release.
+(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release; on
+request a third time with only the fixes the configuration declares it needs (``only``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,20 @@ import tempfile
 from ..testing.launcher import run_world
 from .configs import CONFIGS
 
-JOB = "mcore_ckpt_fixes.resume.job:run"
 MODES = {"on": {"MCORE_CKPT_FIXES": "auto"}, "off": {"MCORE_CKPT_FIXES": "off"}}
+# Attribution: only the fixes the configuration declares it needs (``cfg.needs``), every other off.
+ONLY = "only"
+
+
+def mode_env(cfg, mode) -> dict:
+    """The fix flags of one mode's runs."""
+    if mode == ONLY:
+        if not cfg.needs:
+            raise ValueError(f"{cfg.name} needs no fix: there is nothing to attribute")
+        return {"MCORE_CKPT_FIXES": ",".join(cfg.needs)}
+    return MODES[mode]
+
+
 STEPS, RESUME_AT = 4, 2
 
 
@@ -30,13 +43,17 @@ def prepare() -> None:
     import megatron.training.initialize  # noqa: F401
     import megatron.training.training  # noqa: F401
 
+    from ..fixes.mimo_optimizer.checks.core import prepare as prepare_mimo
+
+    prepare_mimo()
+
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
     # CUDA state does not survive a fork: on a GPU the ranks are fresh interpreters (gloo still,
     # so that several ranks may share one GPU).
     method = "spawn" if device == "cuda" else "fork"
-    results = run_world(JOB, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
+    results = run_world(cfg.job, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
     failed = [r for r in results if not r.ok]
     if failed:
         last = (failed[0].error or "").strip().splitlines()
@@ -51,7 +68,7 @@ def _mode(cfg, mode, uninterrupted, device, timeout):
     ckpt_dir = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-")
     try:
         for phase in ("save", "resume"):
-            values, error, detail = _world(cfg, phase, ckpt_dir, MODES[mode], device, timeout)
+            values, error, detail = _world(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
             if error:
                 return {"verdict": "error", "error": error, "detail": detail}
         ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
@@ -61,24 +78,45 @@ def _mode(cfg, mode, uninterrupted, device, timeout):
 
 
 def needed_here(cfg) -> list:
-    """The fixes of ``cfg.needs`` that this release needs (applied with default flags)."""
+    """The fixes of ``cfg.needs`` that this release needs (applied with default flags, and a release
+    of ``cfg.needs_releases`` where the configuration says so)."""
     import mcore_ckpt_fixes
 
+    if cfg.needs_releases:
+        from packaging.specifiers import SpecifierSet
+
+        from ..engine.version import detect
+
+        version = detect().version
+        if version is None or version not in SpecifierSet(cfg.needs_releases, prereleases=True):
+            return []
     states = {row["id"]: row["state"] for row in mcore_ckpt_fixes.report()}
     return [f for f in cfg.needs if states.get(f) == "applied"]
 
 
+def missing_requirement(cfg) -> str:
+    """Why this release cannot build ``cfg`` ('' if it can)."""
+    if not cfg.requires:
+        return ""
+    import importlib
+
+    try:
+        importlib.import_module(cfg.requires)
+    except ImportError as exc:
+        return f"{cfg.requires} does not import on this release ({exc})"
+    return ""
+
+
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
-    """One configuration's report: per mode its verdict and, per rank, what differs."""
-    out = {
-        "config": cfg.name,
-        "summary": cfg.summary,
-        "world": cfg.world,
-        "needs": list(cfg.needs),
-        "needed_here": needed_here(cfg),
-        "steps": STEPS,
-        "resume_at": RESUME_AT,
-    }
+    """One configuration's report: per mode its verdict and, per rank, what differs. Modes: ``on``
+    (every fix at its default), ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs``
+    on; the run C must be exact with them alone, so the fixes it needs are all it declares)."""
+    out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs)}
+    why = missing_requirement(cfg)
+    if why:  # never a pass: the row says why it did not run
+        out["not_applicable"] = why
+        return out
+    out.update({"needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT})
     uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["on"], device, timeout)
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})

@@ -64,5 +64,6 @@ def rank_verdict(uninterrupted: dict, resumed: dict) -> dict:
         "differ": names[:SHOWN],
         "differ_all": names,
         "n_compared": len(resumed["state"]) + len(steps),
+        "compared_all": sorted(resumed["state"]),
         "load_warnings": list(resumed.get("load_warnings", [])),
     }

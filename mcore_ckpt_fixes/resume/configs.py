@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from ..fixes.mimo_optimizer.checks.scenarios import MIMO_SAVE_SIDE
+
 
 @dataclass(frozen=True)
 class Config:
@@ -24,6 +26,11 @@ class Config:
     fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
     ckpt_format: str = "torch_dist"
     needs: Tuple[str, ...] = ()
+    # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
+    # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
+    needs_releases: str = ""
+    job: str = "mcore_ckpt_fixes.resume.job:run"  # one rank of one run
+    requires: str = ""  # a module the release must have, else the configuration is not applicable
 
     @property
     def dp(self) -> int:
@@ -53,6 +60,18 @@ CONFIGS = (
         world=4,
         ep=2,
         needs=("rng-under-ep",),
+    ),
+    Config(
+        "mimo-noncolocated",
+        "non-colocated MIMO (language model on rank 0, vision encoder on rank 1), MimoOptimizer over "
+        "distributed optimizers (dp_reshardable), saved with dist_checkpointing",
+        world=2,
+        # From 0.19 upstream writes this layout itself; what mimo-optimizer still fixes there (a
+        # non-distributed optimizer's common state) a distributed optimizer does not have.
+        needs=("mimo-optimizer",),
+        needs_releases=MIMO_SAVE_SIDE,
+        job="mcore_ckpt_fixes.resume.mimo:run",
+        requires="megatron.core.models.mimo.optimizer",
     ),
     Config(
         "moe-ep2-torch-adam",

@@ -16,9 +16,14 @@ import pytest
 from conftest import megatron_version
 
 from mcore_ckpt_fixes.resume import check as resume
-from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING
+from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import MIMO_WORLD2_BUG
+from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING, by_name
 
 RNG_EXPERT = "rng:tracker:expert-parallel-rng"
+MIMO = by_name("mimo-noncolocated")
+# Values compared per rank, at least: a GPT's parameters, optimizer state, scheduler and RNG streams
+# number over 100; a MIMO rank's module is two linears (4 parameters: 61 values with everything).
+MIN_VALUES = {MIMO.name: 50}
 
 
 def _needs_training():
@@ -29,14 +34,32 @@ def _needs_training():
         pytest.skip(f"not applicable on {version}: {why}")
 
 
+# Attribution, on one configuration and one line (one more save and resume: the same code runs
+# every configuration's "only" mode): with only the fixes it declares (MCORE_CKPT_FIXES=
+# mimo-optimizer, every other fix off), the MIMO configuration resumes exactly on 0.18, where with
+# every fix off it cannot even save.
+ATTRIBUTED = (MIMO.name, (0, 18))
+
+
+def _attributed_here(cfg):
+    version = megatron_version()
+    return cfg.name == ATTRIBUTED[0] and version is not None and version.release[:2] == ATTRIBUTED[1]
+
+
 _CACHE: dict = {}
 
 
-def _checked(cfg, modes=("on", "off")):
+def _checked(cfg, modes=None):
+    modes = modes or (("on", "off", resume.ONLY) if _attributed_here(cfg) else ("on", "off"))
     if cfg.name not in _CACHE:
         resume.prepare()
         _CACHE[cfg.name] = resume.check(cfg, modes=modes)
-    return _CACHE[cfg.name]
+    out = _CACHE[cfg.name]
+    if "not_applicable" in out:
+        # Only a release without MimoOptimizer (0.16 has no megatron.core.models.mimo) may lack it.
+        assert cfg.requires and resume.missing_requirement(cfg), out
+        pytest.skip(f"{cfg.name} not applicable here: {out['not_applicable']}")
+    return out
 
 
 def _fail_text(mode_out):
@@ -58,7 +81,8 @@ def test_exact_with_the_fixes(cfg):
     assert len(out["ranks"]) == cfg.world
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step compared
-        assert r["n_compared"] > 100  # parameters, optimizer state, scheduler, RNG streams, losses
+        # parameters, optimizer state, scheduler, RNG streams, losses
+        assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
         # A checkpoint the fixed release wrote itself loads without a word from the fixes.
         assert not [w for w in r["load_warnings"] if "MegatronPatchWarning" in w], r["load_warnings"]
 
@@ -70,6 +94,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
     off = out["off"]
     if "torch-adam-step" in out["needed_here"]:
         _fails_on_the_fresh_optimizer(off)
+        return
+    if out["needed_here"] == ["mimo-optimizer"]:
+        _assert_mimo_without_the_fix(off)
         return
     assert off["verdict"] != "error", _fail_text(off)
     if not out["needed_here"]:
@@ -88,6 +115,61 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
             assert r["first_step"] != first, _fail_text(off)
+
+
+def _assert_mimo_without_the_fix(off):
+    """0.17.x and 0.18.x: the two modules' DistributedOptimizers name their objects alike
+    (``optimizer.distributed.dp_group_idx_0...``), so Megatron's save-time validation on global rank
+    0 rejects the checkpoint: the stopped run cannot save at all (the round trips' ``world2`` error;
+    on 0.17 this comes before the load-side defects). 0.19 writes per-module keys itself: there the
+    configuration is not counted as needing the fix and resumes exactly without it (above)."""
+    assert off["verdict"] == "error", _fail_text(off)
+    expected = "save run: rank 0: mcore_ckpt_fixes.resume.mimo._Failed: save (raised on rank 0): "
+    assert off["error"] == expected + " ".join(MIMO_WORLD2_BUG.error.split()), off["error"]
+
+
+def test_only_the_needed_fixes_resume_exactly():
+    """The fixes a configuration declares are all it needs: with only those on, exact on every rank."""
+    _needs_training()
+    if not _attributed_here(MIMO):
+        pytest.skip(f"attribution runs for {ATTRIBUTED[0]} on {'.'.join(map(str, ATTRIBUTED[1]))} only (test time)")
+    out = _checked(MIMO)
+    assert out["needed_here"] == ["mimo-optimizer"], out["needed_here"]  # without it, no save (above)
+    assert resume.mode_env(MIMO, resume.ONLY) == {"MCORE_CKPT_FIXES": "mimo-optimizer"}
+    only = out[resume.ONLY]
+    assert only["verdict"] == "exact", _fail_text(only)
+    assert len(only["ranks"]) == MIMO.world
+    assert [r["n_compared"] for r in only["ranks"]] == [r["n_compared"] for r in out["on"]["ranks"]]
+
+
+def test_mimo_ranks_train_their_own_module():
+    """The MIMO configuration's ranks: language model on 0, vision encoder on 1, each compared on its
+    parameters, its distributed optimizer's fp32 shards and moments, the scheduler and every stream."""
+    _needs_training()
+    out = _checked(MIMO)["on"]
+    assert [r["module"] for r in out["ranks"]] == ["language", "vision"], out["ranks"]
+    for r in out["ranks"]:
+        _assert_mimo_compares_everything(set(r["compared_all"]))
+
+
+def _assert_mimo_compares_everything(names):
+    for part in ("param:fc1.weight", "optim0:group0:main0", "state0:exp_avg_sq", "scheduler:num_steps", "rng:cuda"):
+        assert any(part in n for n in names), (part, sorted(names))
+    assert {"rng:python", "rng:numpy", "rng:torch", "rng:tracker:model-parallel-rng"} <= names, sorted(names)
+
+
+def test_mimo_not_applicable_without_mimo_optimizer():
+    """A release without MimoOptimizer reports the configuration as not applicable, with the reason;
+    it is never run or counted as exact. Shown with a module this release lacks in MimoOptimizer's
+    place (on 0.16, which has neither, the whole check is not applicable: test below)."""
+    import dataclasses
+
+    _needs_training()
+    assert not resume.missing_requirement(MIMO)  # megatron.core.models.mimo ships with megatron.training
+    cfg = dataclasses.replace(MIMO, requires="megatron.core.models.mimo.no_such_optimizer")
+    out = resume.check(cfg)
+    assert out["not_applicable"].startswith("megatron.core.models.mimo.no_such_optimizer does not import"), out
+    assert "on" not in out and "off" not in out, out
 
 
 def _fails_on_the_fresh_optimizer(off):
@@ -146,4 +228,14 @@ def test_selftest_resume_bad_nproc_is_one_line_exit_2():
     proc = run_cli(["selftest", "--resume", "--nproc", "3"])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == "mcore-ckpt-fixes selftest --resume: no configuration runs on 3 ranks"
+    assert proc.stdout == ""
+
+
+def test_attribution_without_resume_is_one_line_exit_2():
+    """``--attribution`` belongs to the resume check: alone it says so and runs nothing."""
+    from conftest import run_cli
+
+    proc = run_cli(["selftest", "--attribution"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mcore-ckpt-fixes selftest: --attribution goes with --resume"
     assert proc.stdout == ""

@@ -176,16 +176,11 @@ class _Built:
 
 def _build(layout, seed, fmt):
     """A MimoOptimizer over both modules (this rank's one active) with deterministic state."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = _config()
     name = layout.module
-    tower = _tower_class()(config, layout.pgs.tp, _WIDTH[name])
     distributed = fmt != NON_DISTRIBUTED
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, bucket_size=None)
-    model = DistributedDataParallel(config, ddp_config, tower, pg_collection=layout.pgs)
+    model = module_model(layout, distributed)
     with torch.no_grad():
         for pname, p in model.module.named_parameters():
             p.copy_(_values(seed, name, _tp_key(p, layout.tp_rank), "param", pname, shape=p.shape))
@@ -200,6 +195,26 @@ def _build(layout, seed, fmt):
     )
     opt = get_megatron_optimizer(opt_config, [model], pg_collection=layout.pgs, use_gloo_process_groups=False)
     _fill_state(opt, seed, name, layout.tp_rank)
+    return _Built(mimo_optimizer(layout, opt, opt_config), model, layout, opt)
+
+
+def module_model(layout, distributed):
+    """This rank's module (a :func:`_tower_class` instance, zero-initialised) in Megatron's DDP over
+    the module's own process groups."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = _config()
+    tower = _tower_class()(config, layout.pgs.tp, _WIDTH[layout.module])
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, bucket_size=None)
+    return DistributedDataParallel(config, ddp_config, tower, pg_collection=layout.pgs)
+
+
+def mimo_optimizer(layout, opt, opt_config):
+    """The ``MimoOptimizer`` every rank builds, as ``get_mimo_optimizer`` lays it out: both modules'
+    ``ModuleOptimizerInfo``, this rank's own module active with ``opt``, the other inactive."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+
+    name = layout.module
     infos = {
         m: ModuleOptimizerInfo(
             optimizer=opt if m == name else None,
@@ -209,7 +224,7 @@ def _build(layout, seed, fmt):
         )
         for m in MODULES
     }
-    return _Built(MimoOptimizer(infos, opt_config), model, layout, opt)
+    return MimoOptimizer(infos, opt_config)
 
 
 def _inner_torch_optimizers(opt):
