@@ -49,23 +49,30 @@ def _child_env(paths: list, env: dict | None) -> dict:
     return full_env
 
 
-def run_py(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter of this environment with clean fix flags."""
+def run_py(code: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this environment with clean fix flags (``env``'s
+    PYTHONPATH, e.g. a patched source tree, first on the path)."""
     full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
     # A real script file, not -c: spawn children re-import __main__ to find functions defined there.
-    fd, script = tempfile.mkstemp(suffix=".py", prefix="mcore_ckpt_fixes_test_")
-    with os.fdopen(fd, "w") as f:
-        f.write(textwrap.dedent(code))
-    return subprocess.run(
-        [sys.executable, script],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # In a directory of its own (the script's directory is first on sys.path: nothing else there can
+    # shadow a module), removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="mcore_ckpt_fixes_test_") as where:
+        script = os.path.join(where, "child.py")
+        with open(script, "w") as f:
+            f.write(textwrap.dedent(code))
+        return subprocess.run(
+            [sys.executable, script],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
 
 
-def run_cli(args: list, env: dict | None = None, timeout: float = 300, preexec_fn=None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list, env: dict | None = None, timeout: float = 300, preexec_fn=None, cwd=None
+) -> subprocess.CompletedProcess:
     """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it (``preexec_fn``:
     run in the child before it starts Python, e.g. to take privileges away)."""
     full_env = _child_env([ROOT], env)
@@ -76,6 +83,7 @@ def run_cli(args: list, env: dict | None = None, timeout: float = 300, preexec_f
         text=True,
         timeout=timeout,
         preexec_fn=preexec_fn,
+        cwd=cwd,
     )
 
 

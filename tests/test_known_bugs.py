@@ -4,13 +4,11 @@ counted right for a release, printed by ``status``, and a malformed file named i
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from conftest import ROOT, _child_env, run_cli, run_py
+from conftest import ROOT, run_cli, run_py
 from mcore_ckpt_fixes import known_bugs
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.fixes import ORDER
@@ -198,14 +196,7 @@ def test_status_with_a_malformed_catalogue_says_so_in_one_line(tmp_path):
     )
     (tmp_path / "mcore_ckpt_fixes" / "known_bugs.json").write_text('{"bugs": [')
     # Run from the copy (python -m puts the working directory first on sys.path).
-    proc = subprocess.run(
-        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--no-import"],
-        cwd=tmp_path,
-        env=_child_env([], {"PYTHONPATH": str(tmp_path)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli(["status", "--no-import"], {"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
     assert proc.returncode == 1
     assert [ln.split()[0] for ln in proc.stdout.splitlines()[1:] if not ln.startswith("    ")] == list(ORDER)
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("mcore-ckpt-fixes: known_bugs.json: not valid JSON")

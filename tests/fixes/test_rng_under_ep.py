@@ -330,9 +330,8 @@ def test_source_patch_reads_old_layout(old_ckpt, tmp_path, mcore_version):
     import pickle
     import shutil
     import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, run_py
     from mcore_ckpt_fixes.engine.version import detect
 
     d, saved = old_ckpt
@@ -340,14 +339,13 @@ def test_source_patch_reads_old_layout(old_ckpt, tmp_path, mcore_version):
     shutil.copytree(detect().path, tmp_path / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
+    env = dict(
+        PYTHONPATH=str(tmp_path),  # the patched Megatron-Core shadows the installed one
         PATCHED_MEGATRON=str(tmp_path / "megatron"),
         CKPT_DIR=str(d),
         RESULT=str(tmp_path / "result.pkl"),
     )
-    proc = subprocess.run([sys.executable, "-c", _SOURCE_LOAD], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_py(_SOURCE_LOAD, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "result.pkl", "rb") as f:
         results = pickle.load(f)

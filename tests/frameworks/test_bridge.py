@@ -31,10 +31,10 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from conftest import run_py
 from framework_import import import_framework
 from mcore_ckpt_fixes.fixes.rng_under_ep import FIX
 from rng_worlds import RngWorlds
@@ -58,12 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _python(code, **env):
     """Run ``code`` in a fresh interpreter of this environment, fix flags cleared, ``env`` added."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [env.pop("PYTHONPATH", None), ROOT, os.environ.get("PYTHONPATH")] if p
-    )
-    full_env.update(env)
-    proc = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=600)
+    proc = run_py(code, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_py
 from framework_import import import_framework
 from mcore_ckpt_fixes.fixes.expert_keys import BRIDGE, FIX, MODULE
 from mcore_ckpt_fixes.testing.launcher import run_world, values
@@ -136,7 +137,6 @@ def test_source_diffs_fix_bridge_without_the_import(bridge, tmp_path, mcore_vers
     import os
     import shutil
     import subprocess
-    import sys
 
     from mcore_ckpt_fixes.engine.version import detect
 
@@ -157,11 +157,8 @@ def test_source_diffs_fix_bridge_without_the_import(bridge, tmp_path, mcore_vers
             text=True,
         )
         assert proc.returncode == 0 and "fuzz" not in proc.stdout.lower(), proc.stdout + proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(root), ROOT, os.environ.get("PYTHONPATH", "")]), PATCHED_ROOT=str(root), RT=RT
-    )
-    proc = subprocess.run([sys.executable, "-c", _SOURCE_RUN], env=env, capture_output=True, text=True, timeout=900)
+    # The patched Megatron-Core and Bridge shadow the installed ones.
+    proc = run_py(_SOURCE_RUN, {"PYTHONPATH": str(root), "PATCHED_ROOT": str(root), "RT": RT}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     for rank, r in enumerate(results):

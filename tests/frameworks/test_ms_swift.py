@@ -20,11 +20,11 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from importlib import metadata
 
 import pytest
 
+from conftest import run_py
 from rng_worlds import RngWorlds
 
 NAME = "ms-swift"
@@ -85,10 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _status(env=None):
     """Run _STATUS in a fresh interpreter with clean fix flags plus ``env``."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    full_env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", _STATUS], env=full_env, capture_output=True, text=True, timeout=300)
+    proc = run_py(_STATUS, env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -236,18 +233,15 @@ def test_source_patch_round_trips_with_the_monkeypatch_off(unpatched, tmp_path):
     patch_file = os.path.join(ROOT, "patches", "rng-under-ep", "ms-swift-4.6.0.patch")
     proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
+    env = dict(
+        PYTHONPATH=str(tmp_path),  # the patched ms-swift shadows the installed one
         PATCHED=str(tmp_path / "swift"),
         NEW_DIR=str(tmp_path / "new"),
         OLD_DIR=str(old_dir),
         RESULT=str(tmp_path / "result.pkl"),
         MCORE_CKPT_FIXES="off",
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", _SOURCE_RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_py(_SOURCE_RUN, env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "result.pkl", "rb") as f:
         got = pickle.load(f)

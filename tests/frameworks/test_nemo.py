@@ -27,12 +27,9 @@ def test_status_says_not_applicable_with_nemo_3(tmp_path):
 
     import_framework("nemo-toolkit", "nemo")
     assert importlib.metadata.version("nemo-toolkit") == "3.0.0"
-    import subprocess
-    import sys
+    from conftest import run_cli
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"], capture_output=True, text=True, timeout=300
-    )
+    proc = run_cli(["status", "--json"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = {r["id"]: r for r in json.loads(proc.stdout)}["expert-keys"]
     target = row["targets"][NEMO]

@@ -35,10 +35,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from conftest import run_cli, run_py
 from framework_import import import_framework
 from rng_worlds import RngWorlds
 
@@ -78,20 +78,9 @@ RNG = RngWorlds(SC, COMPONENTS, timeout=240)
 # -- status and probe -------------------------------------------------------------------------------
 
 
-def _env(extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
-
-
 def _row(code, extra):
     """Run ``code`` in a fresh interpreter; its ``ROW {json}`` line."""
-    import textwrap
-
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=_env(extra), capture_output=True, text=True, timeout=300
-    )
+    proc = run_py(code, extra, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("ROW "))[4:])
 
@@ -118,13 +107,7 @@ def test_status_applied_and_flag_off():
     assert off["state"] == "disabled" and off["target"] is None, off
     assert off["method"] == MODULE and off["load"] == "verl.utils.megatron.dist_checkpointing", off
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "mcore_ckpt_fixes", "status", "--json"],
-        env=_env({}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli(["status", "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = {r["id"]: r for r in json.loads(proc.stdout)}["rng-under-ep"]
     assert row["targets"][MODULE]["state"] == "applied", row["targets"]
@@ -269,15 +252,14 @@ def test_source_patch(old_ckpt, tmp_path):
     shutil.copytree(os.path.dirname(verl.__file__), tmp_path / "verl", ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
+    env = dict(
+        PYTHONPATH=str(tmp_path),  # the patched verl shadows the installed one
         PATCHED_VERL=str(tmp_path / "verl"),
         WORK=str(tmp_path),
         OLD_CKPT=str(old_ckpt[0]),
         RESULT=str(tmp_path / "result.pkl"),
     )
-    proc = subprocess.run([sys.executable, "-c", _SOURCE_RUN], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_py(_SOURCE_RUN, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(tmp_path / "result.pkl", "rb") as f:
         out = pickle.load(f)

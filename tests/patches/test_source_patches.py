@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_py
 from mcore_ckpt_fixes.engine.registry import ENGINE
 
 PATCHES = os.path.join(ROOT, "patches")
@@ -99,13 +99,9 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
         )
     assert not glob.glob(str(tmp_path / "megatron" / "**" / "*.rej"), recursive=True)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]),
-        PATCHED_MEGATRON=str(tmp_path / "megatron"),
-        FIX_ID=fix_id,
-    )
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    # The patched Megatron-Core shadows the installed one.
+    env = {"PYTHONPATH": str(tmp_path), "PATCHED_MEGATRON": str(tmp_path / "megatron"), "FIX_ID": fix_id}
+    proc = run_py(SCRIPT, env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     # Absent: megatron.training before 0.17, and frameworks' modules (Bridge, verl, ...), whose own
