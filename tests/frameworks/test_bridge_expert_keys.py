@@ -29,7 +29,7 @@ from mcore_ckpt_fixes.fixes.expert_keys import BRIDGE, FIX, MODULE
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.testing.registry import for_fix
 
-RT = "mcore_ckpt_fixes.fixes.expert_keys.checks.core:bridge_ep2_grouped"
+RT = "mcore_ckpt_fixes.fixes.expert_keys.checks.bridge:bridge_ep2_grouped"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 EXP = "decoder.layers.0.mlp.experts."
 GROUPED_PARAMS = {
