@@ -44,6 +44,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _one_intra_op_thread() -> None:
+    """In a forked rank: torch's CPU ops on one thread. OpenMP's thread pool does not survive
+    ``fork()``: where the parent already ran a parallel op (pytest's process, after an earlier test),
+    the rank's first parallel op (filling a DDP buffer, say) waits forever for pool threads it does
+    not have. With one thread torch never enters that pool; a rank of a small CPU world gets about
+    one core anyway, and every rank of every run of a check gets the same setting."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def run_world(
     scenario: str,
     nproc: int,
@@ -88,6 +99,7 @@ def run_world(
                 # manager and writer processes) goes with it when the parent kills the group.
                 os.setpgid(0, 0)
                 try:
+                    _one_intra_op_thread()
                     code = run_rank(job, rank, result_paths[rank])
                 finally:
                     # Megatron's checkpoint writer starts a multiprocessing Manager on first save;

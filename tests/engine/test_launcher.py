@@ -24,6 +24,15 @@ def test_failing_rank_does_not_hang_the_world():
         values(results)
 
 
+def test_forked_ranks_run_parallel_ops_after_the_parent_did():
+    """pytest's process runs torch ops between worlds; a forked rank then must not wait for the
+    parent's OpenMP threads (it hung in a DDP buffer's torch.zeros before ranks ran on one thread)."""
+    import torch
+
+    assert float((torch.ones(4_000_000) * 2).sum()) == 8_000_000.0  # the parent's pool is running
+    assert values(run_world("world_scenarios:fills_a_large_buffer", 2, timeout=30)) == [5_000_000.0] * 2
+
+
 def test_hang_is_killed_at_the_deadline():
     start = time.monotonic()
     results = run_world("world_scenarios:hangs", 2, timeout=5)

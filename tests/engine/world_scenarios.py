@@ -20,5 +20,13 @@ def one_rank_fails_before_collective(rank, world_size):
     return "unreachable"
 
 
+def fills_a_large_buffer(rank, world_size):
+    """A parallel CPU op (above torch's grain size): where it ran in the OpenMP pool the parent
+    started, a forked rank waited here forever."""
+    import torch
+
+    return float(torch.zeros(5_000_000).add_(1).sum())
+
+
 def hangs(rank, world_size):
     time.sleep(3600)
