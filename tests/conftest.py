@@ -49,17 +49,24 @@ def _child_env(paths: list, env: dict | None) -> dict:
     return full_env
 
 
-def run_py(code: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+def run_py(
+    code: str, env: dict | None = None, timeout: float = 300, cwd=None, main_only: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter of this environment with clean fix flags (``env``'s
-    PYTHONPATH, e.g. a patched source tree, first on the path)."""
+    PYTHONPATH, e.g. a patched source tree, first on the path). ``main_only``: the code runs under
+    ``if __name__ == "__main__":``, for code that saves on releases whose checkpoint writer starts
+    ``spawn`` processes (they import the script again)."""
     full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
+    code = textwrap.dedent(code)
+    if main_only:
+        code = 'if __name__ == "__main__":\n' + textwrap.indent(code, "    ")
     # A real script file, not -c: spawn children re-import __main__ to find functions defined there.
     # In a directory of its own (the script's directory is first on sys.path: nothing else there can
     # shadow a module), removed afterwards.
     with tempfile.TemporaryDirectory(prefix="mcore_ckpt_fixes_test_") as where:
         script = os.path.join(where, "child.py")
         with open(script, "w") as f:
-            f.write(textwrap.dedent(code))
+            f.write(code)
         return subprocess.run(
             [sys.executable, script],
             env=full_env,

@@ -101,7 +101,7 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
 
     # The patched Megatron-Core shadows the installed one.
     env = {"PYTHONPATH": str(tmp_path), "PATCHED_MEGATRON": str(tmp_path / "megatron"), "FIX_ID": fix_id}
-    proc = run_py(SCRIPT, env, timeout=900)
+    proc = run_py(SCRIPT, env, timeout=900, main_only=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     # Absent: megatron.training before 0.17, and frameworks' modules (Bridge, verl, ...), whose own
