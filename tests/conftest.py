@@ -64,7 +64,7 @@ def run_py(
     # In a directory of its own (the script's directory is first on sys.path: nothing else there can
     # shadow a module), removed afterwards.
     with tempfile.TemporaryDirectory(prefix="mcore_ckpt_fixes_test_") as where:
-        script = os.path.join(where, "child.py")
+        script = os.path.join(where, "mcore_ckpt_fixes_test_script.py")  # a name no test module has
         with open(script, "w") as f:
             f.write(code)
         return subprocess.run(

@@ -373,3 +373,72 @@ def ep2_dp2_grouped(rank, world_size, ckpt_dir, patched, device="cpu"):
     """EP=2 x expert-DP=2 on 4 ranks, single grouped expert tensors cut unevenly over expert DP."""
     assert world_size == 4, f"ep2_dp2_grouped needs 4 ranks, got {world_size}"
     return round_trip(rank, world_size, ckpt_dir, patched, device, variant="grouped")
+
+
+def save_ep2(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
+    """EP=2 on 2 ranks: save only (the fix on or off, as the process was started)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core import parallel_state as ps
+
+    assert world_size == 2 and device == "cpu", (world_size, device)
+    try:
+        layout = _Layout()
+        chunk, state, _ = _build(layout, SAVE_SEED, variant)
+        fix_state = _fix_state(patched)
+        to_save, _ = _preprocess(chunk, state)
+        dcp.save(to_save, checkpoint_id=ckpt_dir)
+        dist.barrier()
+        return {"fix_state": fix_state, "saved_keys": sorted(to_save["model"]), "ep_rank": layout.ep_rank}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def load_ep2(rank, world_size, ckpt_dir, patched, device="cpu", variant="indexed"):
+    """EP=2 on 2 ranks: load what ``save_ep2`` wrote the way ``_load_base_checkpoint`` loads an
+    fsdp_dtensor checkpoint by default: the checkpoint's DCP metadata, ``print_diff_in_state_dicts``
+    (through the name ``megatron.training.checkpointing`` binds, 0.17+; on 0.16 the megatron.core
+    one, which a Megatron-LM checkout of that release calls), then a partial DCP load."""
+    import sys
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron.core import parallel_state as ps
+
+    assert world_size == 2 and device == "cpu", (world_size, device)
+    try:
+        layout = _Layout()
+        fix_state = _fix_state(patched)
+        chunk, state, fresh = _build(layout, FRESH_SEED, variant)
+        to_load, via = _preprocess(chunk, state)
+        metadata = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+        try:
+            from megatron.training import checkpointing as site
+        except ImportError:
+            site = sys.modules[_MODULE]
+        requested = sorted(sys.modules[_MODULE].flatten_state_dict(to_load))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            site.print_diff_in_state_dicts(metadata, to_load)
+            dcp.load(to_load, checkpoint_id=ckpt_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+        got = _collect(state, chunk)  # the dicts Megatron keeps (see round_trip)
+        return {
+            "fix_state": fix_state,
+            "ep_rank": layout.ep_rank,
+            "site": site.__name__,
+            "warnings": [str(w.message) for w in caught if w.category.__name__ == "MegatronPatchWarning"],
+            "not_in_checkpoint": [k for k in requested if k not in metadata],
+            # compare keys (local names) whose tensors still hold the fresh values: not loaded
+            "not_loaded": sorted(k for k, v in got.items() if v.numel() and torch.equal(v, fresh[k])),
+            # compare keys that were loaded but hold other values than this rank saved, and whose they are
+            "loaded_from": {
+                k: _sources(layout, k, v, variant)
+                for k, v in got.items()
+                if v.numel() and not torch.equal(v, fresh[k]) and _sources(layout, k, v, variant) != [rank]
+            },
+        }
+    finally:
+        ps.destroy_model_parallel()
