@@ -1,0 +1,119 @@
+"""Megatron's DDP and distributed optimizer on a one-layer GPT, for round trips of the optimizer's
+checkpoint (test and selftest worker processes only).
+
+A one-layer GPT (local spec), ``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam, the
+distributed optimizer; on a CPU host without Transformer Engine or Apex Megatron takes torch's Adam,
+unless :func:`mcore_ckpt_fixes.resume.fused_adam.optimizer_path` says otherwise), real optimizer
+steps on deterministic gradients (filled into DDP's gradient buffer as a reduce would leave them, the
+same on every rank, so that no forward pass is needed). ``device="cuda"`` tensors Megatron's optimizer
+allocates are made on the CPU (``cuda_to_cpu_mode``) in :func:`world`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import torch
+
+SOURCE_SEED = 1234
+
+
+def prepare() -> None:
+    """Run in the parent before any world starts: every forked world starts warm (and its first
+    save's writer queue is forked, see testing/worker.py)."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    from megatron.core.models.gpt import GPTModel  # noqa: F401
+
+
+def values(seed, *parts, shape):
+    g = torch.Generator().manual_seed(zlib.crc32("/".join(str(p) for p in (seed,) + parts).encode()))
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def build(seed, bf16=True):
+    """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            p.copy_(values(seed, "param", name, shape=p.shape))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=None)
+    # Float16Module: every parameter in bf16, as Megatron's training wraps a bf16 model (torch's
+    # LayerNorm, the fallback without Apex, would otherwise keep fp32 parameters beside bf16 ones).
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
+    # bf16 with fp32 main parameters, as models train: the main-parameter shards are the
+    # optimizer's own tensors (with fp32 model parameters they would be views of the model's).
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        use_distributed_optimizer=True,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    return model, get_megatron_optimizer(opt_config, [model])
+
+
+def step(model, opt, index):
+    """One optimizer step on gradients drawn for step ``index`` (the reduced gradient every rank holds)."""
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    for name, p in model.module.named_parameters():
+        p.main_grad.copy_(values(SOURCE_SEED, "grad", index, name, shape=p.shape))
+    ok, _, _ = opt.step()
+    assert ok, "the optimizer skipped a step"
+
+
+def distributed(opt):
+    """The DistributedOptimizers behind what ``get_megatron_optimizer`` returned (a ChainedOptimizer
+    from some releases on, even for one)."""
+    return getattr(opt, "chained_optimizers", None) or [opt]
+
+
+def local_state(model, opt):
+    """This rank's main-parameter shards and Adam state per parameter, and the model parameters."""
+    out = {}
+    for name, p in model.module.named_parameters():
+        out[f"model/{name}"] = p.detach().clone()
+        for d in distributed(opt):
+            if p not in d.model_param_group_index_map:
+                continue
+            gi, go = d.model_param_group_index_map[p]
+            main = d.optimizer.param_groups[gi]["params"][go]
+            out[f"main/{name}"] = main.detach().clone()
+            for k, v in d.optimizer.state[main].items():
+                if k != "step":
+                    out[f"{k}/{name}"] = v.detach().clone()
+    return out
+
+
+@contextlib.contextmanager
+def world():
+    from megatron.core import parallel_state as mpu
+
+    from .cpu_shims import cuda_to_cpu_mode
+
+    mpu.initialize_model_parallel()
+    try:
+        with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            mpu.destroy_model_parallel()
