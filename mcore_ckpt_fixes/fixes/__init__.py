@@ -15,4 +15,5 @@ ORDER = (
     "rng-under-ep",
     "hsdp-ep-guard",
     "torch-adam-step",
+    "dist-optim-state",
 )

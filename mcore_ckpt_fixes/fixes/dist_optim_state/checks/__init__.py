@@ -1,0 +1,1 @@
+"""dist-optim-state, the round trips run by the tests and selftest (never by a job)."""

@@ -1,0 +1,114 @@
+"""dist-optim-state: both halves on every release line, in one warm world per half.
+
+World 2 (DP=2, gloo on CPU), a one-layer GPT, Megatron's DDP and distributed optimizer (on the
+FusedAdam path through the CPU stand-in of mcore_ckpt_fixes/resume/fused_adam.py, or on torch's
+Adam), saved and loaded with ``dist_checkpointing`` from requests built as third-party trainers build
+them. See mcore_ckpt_fixes/fixes/dist_optim_state/checks/core.py. The fix-off half turns off this fix
+only (torch-adam-step stays on, as a user has it, so that the torch Adam case shows this fix's defect).
+"""
+
+import pytest
+
+from mcore_ckpt_fixes.fixes.dist_optim_state import FIX
+from mcore_ckpt_fixes.fixes.dist_optim_state.checks import scenarios as sc
+from mcore_ckpt_fixes.testing import for_fix, resolve
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+
+CORE = "mcore_ckpt_fixes.fixes.dist_optim_state.checks.core"
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
+MOMENTS = ("moments", "AssertionError: the load restored no exp_avg, exp_avg_sq")
+# What the fix-off half shows per case on the CI lines (0.16.0 and later: every defect is there).
+UNPATCHED = {
+    "fresh_request": MOMENTS,  # silent in the release: the check finds the moments missing
+    "fresh_request_fully_reshardable": ("load_request", "KeyError: 'exp_avg'"),
+    "fresh_request_torch_adam": MOMENTS,
+    "no_metadata": ("save", "CheckpointingException: ShardedTensor.flattened_range is not supported."),
+    "fp32_load": (
+        "load",
+        "RuntimeError: a view of a leaf Variable that requires grad is being used in an in-place operation.",
+    ),
+}
+
+
+def test_registry():
+    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {
+        n: (f"{CORE}:{n}", 2) for n in ("fresh_request", "no_metadata", "fp32_load")
+    }
+    for name, s in SCENARIOS.items():
+        bug = next(iter(s.bug.values()))
+        assert (bug.kind, bug.phase, bug.error) == ("raises",) + UNPATCHED[name], name
+    assert sc.MOMENTS_LOST_BUG is SCENARIOS["fresh_request"].bug[">=0.12.0,<=0.19.2"]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, mcore_version):
+    """Both halves, every case, one world each (cases share one save per kind of source)."""
+    if mcore_version not in FIX.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    resolve(f"{CORE}:prepare")()
+    out = {}
+    for patched in (False, True):
+        env = {} if patched else {"MCORE_CKPT_FIX_DIST_OPTIM_STATE": "off"}
+        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
+        out[patched] = values(run_world(f"{CORE}:cases", 2, {"ckpt_dir": ckpt, "patched": patched}, env=env))
+    return out
+
+
+@pytest.mark.parametrize("case", list(UNPATCHED))
+def test_unpatched_shows_the_documented_failure(worlds, case, mcore_version):
+    results = [r[case] for r in worlds[False]]
+    for rank, r in enumerate(results):
+        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
+        assert (r["phase"], r["error"]) == UNPATCHED[case], (rank, r.get("traceback"))
+    if case in SCENARIOS:  # selftest's judgement agrees
+        assert SCENARIOS[case].bug_for(mcore_version).seen_in(results)
+
+
+def test_unpatched_fresh_save_cannot_be_loaded(worlds):
+    """A checkpoint saved before the first step holds no moments: Megatron's own load request
+    (is_loading=True) asks for them and the load stops; the save itself left training untouched."""
+    for rank, r in enumerate(w["fresh_save"] for w in worlds[False]):
+        assert r["phase"] == "load" and "exp_avg from model not in state dict" in r["error"], (rank, r["error"])
+        unsaved = {k: d for k, d in r["max_delta"].items() if k.startswith("unsaved/")}
+        assert unsaved and set(unsaved.values()) == {0.0}, (rank, unsaved)
+
+
+@pytest.mark.parametrize("case", list(UNPATCHED) + ["fresh_save"])
+def test_patched_restores_the_whole_state_and_the_next_step_matches(worlds, case):
+    for rank, r in enumerate(w[case] for w in worlds[True]):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        deltas = r["max_delta"]
+        # after the load: what was saved (the moments too, where the source had taken a step); after
+        # one more step: the uninterrupted run's main parameters, moments and model parameters
+        kinds = {"/".join(k.split("/")[:2]) if k.startswith(("next/", "unsaved/")) else k.split("/")[0] for k in deltas}
+        saved = {"model", "main"} if case == "fresh_save" else {"model", "main", "exp_avg", "exp_avg_sq"}
+        expected = saved | {f"next/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")}
+        if case == "fresh_save":  # and the source, which saved before its first step, trained on as if it had not
+            expected |= {f"unsaved/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")}
+        assert kinds == expected, (rank, kinds)
+        assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
+
+
+def test_probe_finds_the_three_defects(mcore_version):
+    import megatron.core.optimizer.distrib_optimizer as m
+    from mcore_ckpt_fixes.fixes.dist_optim_state.runtime import core
+
+    verdict, why = core.probe(m)  # the release's own methods, even after apply
+    assert verdict is True and why.startswith("DistributedOptimizer: "), why
+    assert sorted(core.defects(m)) == ["default_format", "fresh_request", "no_grad_load"], why
+
+
+def test_calls_it_does_not_recognise_go_to_the_release():
+    """A call the release's signature rejects is handed over as it came (the release raises its own
+    TypeError), and a call that names its format keeps it."""
+    import megatron.core.optimizer.distrib_optimizer as m
+    from mcore_ckpt_fixes.fixes.dist_optim_state.runtime import core
+
+    release = core._release_method(m.DistributedOptimizer, "sharded_state_dict")
+    assert core._bind(release, (object(),), {"no_such_argument": 1}) is None
+    named = core._bind(release, (object(), {}), {"metadata": {"distrib_optim_sharding_type": "fully_reshardable"}})
+    assert not core._names_no_format(named)
+    assert core._names_no_format(core._bind(release, (object(), {}), {}))
+    assert not core._names_no_format(core._bind(release, (object(), {}), {"sharding_type": "dp_reshardable"}))
