@@ -137,17 +137,29 @@ def _release_method(cls, name):
 
 
 class _Describer:
-    """What ``sharded_state_dict`` reads of a DistributedOptimizer, recording whether the state was
-    allocated (``load_state_dict``) before the parameter state was described, and which format."""
+    """What ``sharded_state_dict`` reads of a DistributedOptimizer that has not stepped yet,
+    recording whether the optimizer had state (the release's ``load_state_dict``, or anything that
+    fills ``optimizer.state``) when the parameter state was described, and which format. Any other
+    method the release's code calls is the class's own, run on this stand-in."""
 
     checkpoint_fully_reshardable_formats = ("fully_sharded_model_space", "fully_reshardable", "fsdp_dtensor")
     data_parallel_group_idx = 0
     distributed_optimizer_instance_id = 0
 
-    def __init__(self):
+    def __init__(self, cls):
+        import collections
+
+        import torch
+
+        param = torch.zeros(1)
+        self._cls = cls
         self.ddp_config = types.SimpleNamespace(use_custom_fsdp=False, use_megatron_fsdp=False)
+        self.config = types.SimpleNamespace(use_precision_aware_optimizer=False)
+        self.data_parallel_group = types.SimpleNamespace(rank=lambda: 0)
+        self.optimizer = types.SimpleNamespace(param_groups=[{"params": [param]}], state=collections.defaultdict(dict))
+        self.init_state_fn = lambda opt, config=None: opt.state[param].update(exp_avg=torch.zeros(1))
         self.allocated = False
-        self.described = None  # (format method, whether state was allocated then)
+        self.described = None  # (format method, whether the optimizer had state then)
 
     def state_dict(self):
         return {}
@@ -156,18 +168,22 @@ class _Describer:
         self.allocated = True
 
     def __getattr__(self, name):
-        if not name.startswith("sharded_param_state_"):
+        if name.startswith("sharded_param_state_"):
+
+            def describe(*args, **kwargs):
+                had_state = self.allocated or any(self.optimizer.state.values())
+                self.described = (name[len("sharded_param_state_") :], had_state)
+                return {}
+
+            return describe
+        fn = getattr(self.__dict__.get("_cls"), name, None)
+        if not callable(fn):
             raise AttributeError(name)
-
-        def describe(*args, **kwargs):
-            self.described = (name[len("sharded_param_state_") :], self.allocated)
-            return {}
-
-        return describe
+        return types.MethodType(fn, self)
 
 
-def _describe(fn, **kwargs):
-    standin = _Describer()
+def _describe(cls, fn, **kwargs):
+    standin = _Describer(cls)
     fn(standin, {}, **kwargs)
     return standin.described
 
@@ -178,11 +194,11 @@ def _request_defects(cls) -> dict:
     fmt = {"metadata": {FORMAT_KEY: "fully_sharded_model_space"}} if "metadata" in params else {}
     found = {}
     # (a) the state is allocated for a load request, and not for one built without is_loading.
-    loading, not_loading = _describe(fn, is_loading=True, **fmt), _describe(fn, is_loading=False, **fmt)
+    loading, not_loading = _describe(cls, fn, is_loading=True, **fmt), _describe(cls, fn, is_loading=False, **fmt)
     if loading and loading[1] and not_loading and not not_loading[1]:
         found["fresh_request"] = "a request built without is_loading on a fresh optimizer describes no moments"
     # (b) the default format is fully_sharded_model_space, which this release cannot describe.
-    if "metadata" in params and (_describe(fn, is_loading=False) or ("",))[0] == "fs_model_space":
+    if "metadata" in params and (_describe(cls, fn, is_loading=False) or ("",))[0] == "fs_model_space":
         if _rejects_flattened_range():
             found["default_format"] = (
                 "sharded_state_dict without metadata defaults to fully_sharded_model_space, which "
