@@ -24,6 +24,11 @@ class Config:
     distributed_optimizer: bool = True
     optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
     fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
+    # How the distributed optimizer's checkpoint requests are built: "megatron" as
+    # megatron.training's save_checkpoint / load_checkpoint build them (is_loading, metadata); as
+    # third-party trainers build them: "without-is-loading" (metadata passed on, is_loading never)
+    # or "bare" (sharded_state_dict(model_sd), neither).
+    optimizer_requests: str = "megatron"
     ckpt_format: str = "torch_dist"
     needs: Tuple[str, ...] = ()
     # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
@@ -80,6 +85,22 @@ CONFIGS = (
         ep=2,
         fused_adam=False,
         needs=("torch-adam-step", "rng-under-ep"),
+    ),
+    Config(
+        "dense-dp2-load-without-is-loading",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable) whose load request is built without "
+        "is_loading, as third-party trainers have built it",
+        world=2,
+        optimizer_requests="without-is-loading",
+        needs=("dist-optim-state",),
+    ),
+    Config(
+        "dense-dp2-bare-requests",
+        "dense GPT, DP=2, distributed optimizer whose save and load requests are "
+        "sharded_state_dict(model_sd): no is_loading, no metadata",
+        world=2,
+        optimizer_requests="bare",
+        needs=("dist-optim-state",),
     ),
 )
 

@@ -178,7 +178,22 @@ def _build(args, cfg):
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if cfg.optimizer_requests != "megatron":
+        _requests_as_trainers_build_them(optimizer, keep_metadata=cfg.optimizer_requests == "without-is-loading")
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def _requests_as_trainers_build_them(optimizer, keep_metadata):
+    """Each distributed optimizer's ``sharded_state_dict`` is called as third-party trainers call it,
+    whatever ``save_checkpoint`` / ``load_checkpoint`` pass: never with ``is_loading``, and with the
+    ``metadata`` they pass (``keep_metadata``) or with none."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+
+        def sharded_state_dict(model_sharded_state_dict, *args, _opt=opt, metadata=None, **kwargs):
+            kept = {"metadata": metadata} if keep_metadata else {}
+            return type(_opt).sharded_state_dict(_opt, model_sharded_state_dict, **kept)
+
+        opt.sharded_state_dict = sharded_state_dict
 
 
 def _device():

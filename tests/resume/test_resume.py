@@ -98,6 +98,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
     if out["needed_here"] == ["mimo-optimizer"]:
         _assert_mimo_without_the_fix(off)
         return
+    if out["needed_here"] == ["dist-optim-state"]:
+        _assert_trainer_requests_without_the_fix(cfg, off)
+        return
     assert off["verdict"] != "error", _fail_text(off)
     if not out["needed_here"]:
         assert off["verdict"] == "exact", _fail_text(off)
@@ -126,6 +129,24 @@ def _assert_mimo_without_the_fix(off):
     assert off["verdict"] == "error", _fail_text(off)
     expected = "save run: rank 0: mcore_ckpt_fixes.resume.mimo._Failed: save (raised on rank 0): "
     assert off["error"] == expected + " ".join(MIMO_WORLD2_BUG.error.split()), off["error"]
+
+
+def _assert_trainer_requests_without_the_fix(cfg, off):
+    """dist-optim-state's defects, every fix off. Bare requests (no metadata) ask for
+    fully_sharded_model_space, which this release cannot describe: the stopped run cannot save. A
+    load request built without is_loading on the resumed run's fresh optimizer restores no Adam
+    moments and says nothing: the first resumed step runs on the loaded parameters (its loss is
+    exact), its update starts the moments from zero, and from the next step on every rank differs."""
+    if cfg.optimizer_requests == "bare":
+        assert off["verdict"] == "error", _fail_text(off)
+        expected = "CheckpointingException: ShardedTensor.flattened_range is not supported."
+        assert off["error"] == f"save run: rank 0: megatron.core.dist_checkpointing.core.{expected}", off["error"]
+        return
+    assert cfg.optimizer_requests == "without-is-loading", cfg
+    assert off["verdict"] == "inexact", _fail_text(off)
+    for r in off["ranks"]:
+        assert r["first_step"] == resume.RESUME_AT + 2, _fail_text(off)
+        assert any(n.endswith(":exp_avg_sq") for n in r["differ_all"]), r["differ_all"]
 
 
 def test_only_the_needed_fixes_resume_exactly():
