@@ -1,9 +1,10 @@
 """The configurations the resume check trains, stops and resumes.
 
 Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
-``megatron.training.checkpointing`` (:mod:`.job`). ``needs`` names the fixes without which the
-configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
-fixes-off run diverges exactly there, and only there.
+``megatron.training.checkpointing`` (:mod:`.job`), unless ``job`` names another (the MIMO model's,
+Megatron-Bridge's save and load). ``needs`` names the fixes without which the configuration cannot
+resume exactly on a release those fixes apply to: the check asserts that the fixes-off run diverges
+exactly there, and only there.
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ CONFIGS = (
         ep=2,
         fused_adam=False,
         needs=("torch-adam-step", "rng-under-ep"),
+    ),
+    Config(
+        "moe-ep2-bridge",
+        "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with Megatron-Bridge's "
+        "save_checkpoint / load_checkpoint",
+        world=2,
+        ep=2,
+        job="mcore_ckpt_fixes.resume.bridge:run",
+        requires="megatron.bridge.training.checkpointing",
     ),
 )
 

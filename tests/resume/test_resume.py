@@ -172,6 +172,18 @@ def test_mimo_not_applicable_without_mimo_optimizer():
     assert "on" not in out and "off" not in out, out
 
 
+def test_bridge_not_applicable_without_bridge():
+    """Where Megatron-Bridge is not installed (every release line), its configuration says so with
+    the reason instead of running; tests/frameworks/test_bridge_resume.py runs it where it is."""
+    _needs_training()
+    cfg = by_name("moe-ep2-bridge")
+    if not resume.missing_requirement(cfg):
+        pytest.skip("Megatron-Bridge imports here: tests/frameworks/test_bridge_resume.py runs the configuration")
+    out = resume.check(cfg)
+    assert out["not_applicable"].startswith("megatron.bridge.training.checkpointing does not import"), out
+    assert "on" not in out and "off" not in out, out
+
+
 def _fails_on_the_fresh_optimizer(off):
     """torch's Adam (Megatron's fallback without Apex or Transformer Engine) with every fix off:
     load_checkpoint into the freshly built optimizer of the resumed run stops in
