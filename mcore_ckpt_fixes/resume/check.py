@@ -45,9 +45,11 @@ def prepare() -> None:
 
     from ..fixes.mimo_optimizer.checks.core import prepare as prepare_mimo
     from .bridge import prepare as prepare_bridge
+    from .verl import prepare as prepare_verl
 
     prepare_mimo()
     prepare_bridge()
+    prepare_verl()
 
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):

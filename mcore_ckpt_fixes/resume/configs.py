@@ -2,7 +2,7 @@
 
 Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
 ``megatron.training.checkpointing`` (:mod:`.job`), unless ``job`` names another (the MIMO model's,
-Megatron-Bridge's save and load). ``needs`` names the fixes without which the configuration cannot
+Megatron-Bridge's and verl's save and load). ``needs`` names the fixes without which the configuration cannot
 resume exactly on a release those fixes apply to: the check asserts that the fixes-off run diverges
 exactly there, and only there.
 """
@@ -90,6 +90,15 @@ CONFIGS = (
         ep=2,
         job="mcore_ckpt_fixes.resume.bridge:run",
         requires="megatron.bridge.training.checkpointing",
+    ),
+    Config(
+        "moe-ep2-verl",
+        "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with verl's MegatronCheckpointManager",
+        world=2,
+        ep=2,
+        needs=("rng-under-ep",),
+        job="mcore_ckpt_fixes.resume.verl:run",
+        requires="verl.utils.checkpoint.megatron_checkpoint_manager",
     ),
 )
 

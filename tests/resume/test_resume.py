@@ -172,15 +172,19 @@ def test_mimo_not_applicable_without_mimo_optimizer():
     assert "on" not in out and "off" not in out, out
 
 
-def test_bridge_not_applicable_without_bridge():
-    """Where Megatron-Bridge is not installed (every release line), its configuration says so with
-    the reason instead of running; tests/frameworks/test_bridge_resume.py runs it where it is."""
+FRAMEWORK_CONFIGS = {"moe-ep2-bridge": "test_bridge_resume.py", "moe-ep2-verl": "test_verl_resume.py"}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORK_CONFIGS))
+def test_framework_configuration_not_applicable_without_the_framework(name):
+    """Where the framework is not installed (every release line), its configuration says so with the
+    reason instead of running; tests/frameworks runs it in the framework's own line."""
     _needs_training()
-    cfg = by_name("moe-ep2-bridge")
+    cfg = by_name(name)
     if not resume.missing_requirement(cfg):
-        pytest.skip("Megatron-Bridge imports here: tests/frameworks/test_bridge_resume.py runs the configuration")
+        pytest.skip(f"{cfg.requires} imports here: tests/frameworks/{FRAMEWORK_CONFIGS[name]} runs {name}")
     out = resume.check(cfg)
-    assert out["not_applicable"].startswith("megatron.bridge.training.checkpointing does not import"), out
+    assert out["not_applicable"].startswith(f"{cfg.requires} does not import here"), out
     assert "on" not in out and "off" not in out, out
 
 
