@@ -11,7 +11,8 @@ a real ``MegatronCheckpointManager`` built as verl's Megatron engine builds it (
 ``load_checkpoint`` reads them back, as verl's trainer calls them.
 
 ``use_checkpoint_opt_param_scheduler`` is on: with verl's default (off) the manager does not load
-the scheduler, so a resumed run starts its learning-rate schedule again.
+the scheduler, so a resumed run starts its learning-rate schedule again (the check then finds the
+scheduler's step count, the parameters and the moments different on every rank).
 
 Stand-ins, besides :mod:`.job`'s (test and selftest workers only):
 
