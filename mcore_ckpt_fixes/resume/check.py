@@ -44,8 +44,12 @@ def prepare() -> None:
     import megatron.training.training  # noqa: F401
 
     from ..fixes.mimo_optimizer.checks.core import prepare as prepare_mimo
+    from .bridge import prepare as prepare_bridge
+    from .verl import prepare as prepare_verl
 
     prepare_mimo()
+    prepare_bridge()
+    prepare_verl()
 
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
@@ -95,7 +99,7 @@ def needed_here(cfg) -> list:
 
 
 def missing_requirement(cfg) -> str:
-    """Why this release cannot build ``cfg`` ('' if it can)."""
+    """Why this installation cannot build ``cfg`` ('' if it can): a module it requires does not import."""
     if not cfg.requires:
         return ""
     import importlib
@@ -103,7 +107,7 @@ def missing_requirement(cfg) -> str:
     try:
         importlib.import_module(cfg.requires)
     except ImportError as exc:
-        return f"{cfg.requires} does not import on this release ({exc})"
+        return f"{cfg.requires} does not import here ({exc})"
     return ""
 
 

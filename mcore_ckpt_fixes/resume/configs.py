@@ -1,9 +1,10 @@
 """The configurations the resume check trains, stops and resumes.
 
 Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
-``megatron.training.checkpointing`` (:mod:`.job`). ``needs`` names the fixes without which the
-configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
-fixes-off run diverges exactly there, and only there.
+``megatron.training.checkpointing`` (:mod:`.job`), unless ``job`` names another (the MIMO model's,
+Megatron-Bridge's and verl's save and load). ``needs`` names the fixes without which the configuration cannot
+resume exactly on a release those fixes apply to: the check asserts that the fixes-off run diverges
+exactly there, and only there.
 """
 
 from __future__ import annotations
@@ -102,6 +103,24 @@ CONFIGS = (
         optimizer_requests="bare",
         needs=("dist-optim-state",),
     ),
+    Config(
+        "moe-ep2-bridge",
+        "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with Megatron-Bridge's "
+        "save_checkpoint / load_checkpoint",
+        world=2,
+        ep=2,
+        job="mcore_ckpt_fixes.resume.bridge:run",
+        requires="megatron.bridge.training.checkpointing",
+    ),
+    Config(
+        "moe-ep2-verl",
+        "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with verl's MegatronCheckpointManager",
+        world=2,
+        ep=2,
+        needs=("rng-under-ep",),
+        job="mcore_ckpt_fixes.resume.verl:run",
+        requires="verl.utils.checkpoint.megatron_checkpoint_manager",
+    ),
 )
 
 # Configurations that do not resume on the releases the check covers, for a catalogued reason no
@@ -114,8 +133,9 @@ KNOWN_BUG: dict = {}
 # never counted as a pass).
 NOT_RUN = {
     "fully_sharded_model_space": "megatron.training saves the distributed optimizer as dp_reshardable or "
-    "fully_reshardable only; fully_sharded_model_space is what a direct sharded_state_dict call without "
-    "metadata saves, outside the training loop",
+    "fully_reshardable only, and from 0.16.0 no release can describe fully_sharded_model_space "
+    "(ShardedTensor.flattened_range is rejected); a call without metadata, which asks for it, gets "
+    "dp_reshardable with dist-optim-state (configuration dense-dp2-bare-requests)",
     "fsdp_dtensor": "Megatron-FSDP allocates its parameter and gradient buffers on a CUDA device; on a CPU "
     "host the model cannot be wrapped",
 }

@@ -328,15 +328,14 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     return out
 
 
-def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run (``phase``: ``uninterrupted``, ``save`` or ``resume``); a world entry point
-    for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and,
-    except for ``save``, its final state (:func:`snapshot`)."""
+@contextlib.contextmanager
+def worker(cfg, device):
+    """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
+    the FusedAdam path; yields the CPU generator. Model-parallel state is destroyed on the way out."""
     from ..testing.cpu_shims import cpu_streams, cuda_to_cpu_mode
     from .fused_adam import optimizer_path
     from .rng_standin import TrainingRngStandIn
 
-    assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
     on_cpu = device == "cpu" and not torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
@@ -349,9 +348,18 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
             # host has neither, so the stand-in takes its place.
             stack.enter_context(optimizer_path(apex=cfg.fused_adam))
         try:
-            return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
+            yield rng.cpu_generator()
         finally:
             from megatron.core import parallel_state as mpu
 
             with contextlib.suppress(Exception):
                 mpu.destroy_model_parallel()
+
+
+def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
+    """One rank of one run (``phase``: ``uninterrupted``, ``save`` or ``resume``); a world entry point
+    for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and,
+    except for ``save``, its final state (:func:`snapshot`)."""
+    assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
+    with worker(cfg, device) as cpu_gen:
+        return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen)

@@ -193,6 +193,22 @@ def test_mimo_not_applicable_without_mimo_optimizer():
     assert "on" not in out and "off" not in out, out
 
 
+FRAMEWORK_CONFIGS = {"moe-ep2-bridge": "test_bridge_resume.py", "moe-ep2-verl": "test_verl_resume.py"}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORK_CONFIGS))
+def test_framework_configuration_not_applicable_without_the_framework(name):
+    """Where the framework is not installed (every release line), its configuration says so with the
+    reason instead of running; tests/frameworks runs it in the framework's own line."""
+    _needs_training()
+    cfg = by_name(name)
+    if not resume.missing_requirement(cfg):
+        pytest.skip(f"{cfg.requires} imports here: tests/frameworks/{FRAMEWORK_CONFIGS[name]} runs {name}")
+    out = resume.check(cfg)
+    assert out["not_applicable"].startswith(f"{cfg.requires} does not import here"), out
+    assert "on" not in out and "off" not in out, out
+
+
 def _fails_on_the_fresh_optimizer(off):
     """torch's Adam (Megatron's fallback without Apex or Transformer Engine) with every fix off:
     load_checkpoint into the freshly built optimizer of the resumed run stops in

@@ -146,22 +146,28 @@ def _setup(ckpt_dir, ckpt_format):
     return state, model
 
 
-def _seed_and_consume(state, stand_in, seed):
-    """Bridge's seeding, then rank-dependent draws from every generator and tracker stream."""
+def seed_as_bridge(seed, data_parallel_random_init=False):
+    """Bridge's seeding (``_set_random_seed``: Python, NumPy, torch); on a CPU host also Megatron's
+    RNG tracker, which Bridge seeds only when it sees a GPU, with the same call it would make."""
     from megatron.bridge.training.initialize import _set_random_seed
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_pg_rank
 
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    _set_random_seed(seed, state.cfg.rng.data_parallel_random_init, pg_collection=pgs)
-    if not torch.cuda.device_count():  # _set_random_seed seeds the tracker only when it sees a GPU
+    _set_random_seed(seed, data_parallel_random_init, pg_collection=pgs)
+    if not torch.cuda.device_count():
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed + 100 * get_pg_rank(pgs.pp),
             tp_rank=get_pg_rank(pgs.tp),
             ep_rank=get_pg_rank(pgs.ep),
             etp_rank=get_pg_rank(pgs.expt_tp),
         )
+
+
+def _seed_and_consume(state, stand_in, seed):
+    """Bridge's seeding, then rank-dependent draws from every generator and tracker stream."""
+    seed_as_bridge(seed, state.cfg.rng.data_parallel_random_init)
     consume_streams(stand_in, seed)
 
 
