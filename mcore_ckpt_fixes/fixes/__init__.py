@@ -16,4 +16,5 @@ ORDER = (
     "hsdp-ep-guard",
     "torch-adam-step",
     "dist-optim-state",
+    "fully-reshardable-buckets",
 )

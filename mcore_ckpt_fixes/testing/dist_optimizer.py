@@ -33,7 +33,7 @@ def values(seed, *parts, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def build(seed, bf16=True):
+def build(seed, bf16=True, bucket_size=None):
     """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -54,7 +54,10 @@ def build(seed, bf16=True):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=None)
+    # Megatron builds several buckets only with overlap_grad_reduce (else one bucket, whatever the size).
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, bucket_size=bucket_size, overlap_grad_reduce=bucket_size is not None
+    )
     # Float16Module: every parameter in bf16, as Megatron's training wraps a bf16 model (torch's
     # LayerNorm, the fallback without Apex, would otherwise keep fp32 parameters beside bf16 ones).
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
@@ -117,3 +120,29 @@ def world():
     finally:
         with contextlib.suppress(Exception):
             mpu.destroy_model_parallel()
+
+
+def full_state(model, opt):
+    """Every parameter's whole fp32 main value and Adam moments, in the parameter's shape, the same
+    on every rank (each rank's shard put in place and summed over the data-parallel group): a view
+    that does not depend on how the gradient buffer is cut into buckets and shards."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.module.named_parameters():
+        for d in distributed(opt):
+            if p not in d.model_param_group_index_map:
+                continue
+            gi, go = d.model_param_group_index_map[p]
+            main = d.optimizer.param_groups[gi]["params"][go]
+            local = {"main": main, **{k: v for k, v in d.optimizer.state[main].items() if k != "step"}}
+            span = d._get_model_param_range_map(p)["param"]
+            for kind, value in local.items():
+                whole = torch.zeros(p.numel(), dtype=torch.float32)
+                whole[span.start : span.end] = value.detach().float().view(-1)
+                out[f"{kind}/{name}"] = whole
+        for kind in ("main", "exp_avg", "exp_avg_sq"):
+            out.setdefault(f"{kind}/{name}", torch.zeros(p.numel(), dtype=torch.float32))
+    for key in sorted(out):
+        dist.all_reduce(out[key])
+    return out

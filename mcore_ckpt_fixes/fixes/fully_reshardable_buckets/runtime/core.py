@@ -1,0 +1,131 @@
+"""fully-reshardable-buckets' monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: a wrapper
+of ``DistributedOptimizer.sharded_param_state_fully_reshardable``, the probe and apply. Why: the
+package's docstring. Imported only when the target module is.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from ....engine.patching import Patcher, is_replacement, mark, original
+from .. import ID, MODULE
+
+CLASS = "DistributedOptimizer"
+METHOD = "sharded_param_state_fully_reshardable"
+GATHER = "get_parameter_state_dp_zero"
+
+
+def _cls():
+    return getattr(sys.modules[MODULE], CLASS)
+
+
+def _bucket_shifts(buffer):
+    """Per bucket, where its values start in the gathered world tensor minus where they start in the
+    gradient buffer (``param_index_map``'s positions): 0 for the first bucket, and for each later
+    one minus the padding that ended the buckets before it."""
+    shifts, start = [], 0
+    for bucket in buffer.buckets:
+        shifts.append(start - bucket.offset)
+        start += bucket.numel_unpadded
+    return shifts
+
+
+def _as_the_buffer(buffer, world):
+    """``world`` (buckets back to back) laid out as the gradient buffer: each bucket's values at its
+    offset, zero in the padding between buckets."""
+    import torch
+
+    buckets, shifts = buffer.buckets, _bucket_shifts(buffer)
+    length = max(b.offset + b.numel_unpadded for b in buckets)
+    out = torch.zeros((length,), dtype=world.dtype, device=world.device)
+    for bucket, shift in zip(buckets, shifts):
+        start = bucket.offset + shift
+        out[bucket.offset : bucket.offset + bucket.numel_unpadded] = world[start : start + bucket.numel_unpadded]
+    return out
+
+
+def _laid_out_as_the_buffers(self, state):
+    import torch
+
+    if state is None:  # memory-efficient mode, data-parallel rank > 0
+        return None
+    for gbuf_idx, buffer in enumerate(self.buffers):
+        if gbuf_idx not in state or not any(_bucket_shifts(buffer)):
+            continue
+        for world_tensors in state[gbuf_idx].values():
+            for key, value in world_tensors.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    world_tensors[key] = _as_the_buffer(buffer, value)
+    return state
+
+
+@mark(ID)
+def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+    """The release's method, reading world tensors laid out as the gradient buffers (where it looks
+    each parameter up), wherever a buffer's buckets sit elsewhere in the gathered world tensor."""
+    release = original(_cls(), METHOD)
+    if not any(any(_bucket_shifts(b)) for b in self.buffers):
+        return release(self, *args, **kwargs)
+    gather = getattr(self, GATHER)  # the class's (or an instance's own) gather, bound
+
+    def gather_laid_out_as_the_buffers(*gather_args, **gather_kwargs):
+        return _laid_out_as_the_buffers(self, gather(*gather_args, **gather_kwargs))
+
+    had_own = GATHER in self.__dict__
+    self.__dict__[GATHER] = gather_laid_out_as_the_buffers
+    try:
+        return release(self, *args, **kwargs)
+    finally:
+        if had_own:
+            self.__dict__[GATHER] = gather
+        else:
+            del self.__dict__[GATHER]
+
+
+# -- probe: the release's own method on an inert stand-in -------------------------------------------
+
+
+def _release_method(cls, name):
+    fn = cls.__dict__[name]
+    return original(cls, name) if is_replacement(fn) else fn
+
+
+def saves_from_padded_offsets(module) -> bool:
+    """Two buckets, the first padded (values at 0:2, its padding at 2:4; the second bucket at 4:8 in
+    the buffer, at 2:6 in the gathered world tensor): which values does the release save for the
+    second bucket's parameter?"""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    p0, p1 = torch.zeros(2), torch.zeros(2)
+    buffer = types.SimpleNamespace(
+        param_index_map={p0: (0, 2, 0), p1: (4, 6, 1)},
+        numel_unpadded=6,
+        buckets=[types.SimpleNamespace(offset=0, numel_unpadded=2), types.SimpleNamespace(offset=4, numel_unpadded=4)],
+    )
+    world = {"param": torch.arange(6.0), "numel_unpadded": 6}
+    standin = types.SimpleNamespace(
+        buffers=[buffer],
+        gbuf_ranges=[{torch.float32: [None, None]}],
+        get_parameter_state_dp_zero=lambda **kwargs: {0: {torch.float32: world}},
+    )
+    model_sd = {"p0": ShardedTensor.from_rank_offsets("p0", p0), "p1": ShardedTensor.from_rank_offsets("p1", p1)}
+    out = _release_method(module.__dict__[CLASS], METHOD)(standin, model_sd, False, {})
+    return out[1]["param"].data.tolist() != [2.0, 3.0]
+
+
+def probe(module: types.ModuleType):
+    cls = module.__dict__.get(CLASS)
+    if cls is None or METHOD not in cls.__dict__:
+        return None, f"{MODULE} has no {CLASS}.{METHOD} (fully_reshardable format)"
+    if not saves_from_padded_offsets(module):
+        return False, f"{CLASS}.{METHOD} saves each parameter from its place in the gathered state"
+    return True, (
+        f"{CLASS}.{METHOD} saves a parameter of a later bucket from its offset in the padded gradient "
+        "buffer, not from its place in the gathered state"
+    )
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    patcher.replace(module.__dict__[CLASS], METHOD, sharded_param_state_fully_reshardable)
