@@ -45,11 +45,13 @@ def prepare() -> None:
 
     from ..fixes.mimo_optimizer.checks.core import prepare as prepare_mimo
     from .bridge import prepare as prepare_bridge
+    from .ms_swift import prepare as prepare_ms_swift
     from .verl import prepare as prepare_verl
 
     prepare_mimo()
     prepare_bridge()
     prepare_verl()
+    prepare_ms_swift()
 
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):

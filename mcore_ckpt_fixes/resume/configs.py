@@ -2,9 +2,9 @@
 
 Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
 ``megatron.training.checkpointing`` (:mod:`.job`), unless ``job`` names another (the MIMO model's,
-Megatron-Bridge's and verl's save and load). ``needs`` names the fixes without which the configuration cannot
-resume exactly on a release those fixes apply to: the check asserts that the fixes-off run diverges
-exactly there, and only there.
+Megatron-Bridge's, verl's and ms-swift's save and load). ``needs`` names the fixes without which the
+configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
+fixes-off run diverges exactly there, and only there.
 """
 
 from __future__ import annotations
@@ -120,6 +120,16 @@ CONFIGS = (
         needs=("rng-under-ep",),
         job="mcore_ckpt_fixes.resume.verl:run",
         requires="verl.utils.checkpoint.megatron_checkpoint_manager",
+    ),
+    Config(
+        "moe-ep2-ms-swift",
+        "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with ms-swift's "
+        "save_mcore_checkpoint / load_mcore_checkpoint",
+        world=2,
+        ep=2,
+        needs=("rng-under-ep",),
+        job="mcore_ckpt_fixes.resume.ms_swift:run",
+        requires="swift.megatron.utils.megatron_lm_utils",
     ),
 )
 

@@ -193,7 +193,11 @@ def test_mimo_not_applicable_without_mimo_optimizer():
     assert "on" not in out and "off" not in out, out
 
 
-FRAMEWORK_CONFIGS = {"moe-ep2-bridge": "test_bridge_resume.py", "moe-ep2-verl": "test_verl_resume.py"}
+FRAMEWORK_CONFIGS = {
+    "moe-ep2-bridge": "test_bridge_resume.py",
+    "moe-ep2-verl": "test_verl_resume.py",
+    "moe-ep2-ms-swift": "test_ms_swift_resume.py",
+}
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORK_CONFIGS))
