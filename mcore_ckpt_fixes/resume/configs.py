@@ -10,7 +10,7 @@ fixes-off run diverges exactly there, and only there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..fixes.mimo_optimizer.checks.scenarios import MIMO_SAVE_SIDE
 
@@ -24,6 +24,9 @@ class Config:
     ep: int = 0  # expert-parallel size (0: a dense model)
     distributed_optimizer: bool = True
     optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
+    # DDP's bucket size (elements) with overlap_grad_reduce, as --overlap-grad-reduce --ddp-bucket-size
+    # (several buckets per gradient buffer); None: one bucket, no overlap.
+    ddp_bucket_size: Optional[int] = None
     fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
     # How the distributed optimizer's checkpoint requests are built: "megatron" as
     # megatron.training's save_checkpoint / load_checkpoint build them (is_loading, metadata); as
@@ -102,6 +105,15 @@ CONFIGS = (
         world=2,
         optimizer_requests="bare",
         needs=("dist-optim-state",),
+    ),
+    Config(
+        "dense-dp2-fully-reshardable-buckets",
+        "dense GPT, DP=2, overlap_grad_reduce with several buckets per gradient buffer, distributed "
+        "optimizer (fully_reshardable)",
+        world=2,
+        optim_format="fully_reshardable",
+        ddp_bucket_size=1000,
+        needs=("fully-reshardable-buckets",),
     ),
     Config(
         "moe-ep2-bridge",

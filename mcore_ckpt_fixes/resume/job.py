@@ -172,7 +172,10 @@ def _build(args, cfg):
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=cfg.ddp_bucket_size,
+        overlap_grad_reduce=cfg.ddp_bucket_size is not None,  # Megatron cuts buckets only then
     )
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
