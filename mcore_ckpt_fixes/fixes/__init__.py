@@ -17,4 +17,5 @@ ORDER = (
     "torch-adam-step",
     "dist-optim-state",
     "fully-reshardable-buckets",
+    "param-group-identity",
 )

@@ -33,7 +33,7 @@ def values(seed, *parts, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def build(seed, bf16=True, bucket_size=None):
+def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
     """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -70,6 +70,8 @@ def build(seed, bf16=True, bucket_size=None):
         use_distributed_optimizer=True,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # The embedding and output layer's own learning rate (Megatron-LM's --decoupled-lr).
+        **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr, "min_lr": 1e-3}),
     )
     return model, get_megatron_optimizer(opt_config, [model])
 

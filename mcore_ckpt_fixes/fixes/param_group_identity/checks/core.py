@@ -1,0 +1,75 @@
+"""param-group-identity's round trip: Megatron's DDP and distributed optimizer
+(:mod:`mcore_ckpt_fixes.testing.dist_optimizer`) built by ``get_megatron_optimizer`` with a
+decoupled learning rate (Megatron-LM's ``--decoupled-lr``: the embedding and output layer's group
+gets its own ``max_lr``), saved and loaded with ``dist_checkpointing`` through the
+``ChainedOptimizer`` that function returns, on 2 gloo ranks (DP=2), on Apex FusedAdam's path (the CPU
+stand-in of :mod:`mcore_ckpt_fixes.resume.fused_adam`).
+
+A source run takes ``STEPS`` optimizer steps and saves; a target run (other initial values) builds
+Megatron's own load request (``is_loading=True``) and loads. Checked on every rank: every parameter
+group's ``max_lr`` and ``min_lr`` after the load are the source's (phase ``groups``, one
+``AssertionError`` line otherwise; the release gives the groups alike but for ``max_lr`` one saved
+group); the main parameters and moments equal what was saved (``max_delta``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from ....resume.fused_adam import optimizer_path
+from ....testing.dist_optimizer import build, distributed, local_state, step, world
+from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+STEPS = 2
+SOURCE_SEED, TARGET_SEED = 1234, 98765
+DECOUPLED_LR = 3e-2  # the default groups' max_lr is the optimizer's lr, 1e-2
+
+
+def _request(model, opt, is_loading):
+    model_sd = model.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def _lrs(opt):
+    """Every parameter group's (max_lr, min_lr), in the optimizer's order."""
+    return [(g["max_lr"], g["min_lr"]) for d in distributed(opt) for g in d.optimizer.param_groups]
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    from megatron.core import dist_checkpointing
+
+    rt = RoundTrip(case="decoupled_lr", sharding_type="dp_reshardable", steps=None)
+    with world(), rt.running(), optimizer_path(apex=True):
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt.phase("save")
+        model, opt = build(SOURCE_SEED, decoupled_lr=DECOUPLED_LR)
+        saved_lrs = _lrs(opt)
+        assert DECOUPLED_LR in {m for m, _ in saved_lrs}, saved_lrs
+        for i in range(STEPS):
+            step(model, opt, i)
+        path = os.path.join(ckpt_dir, "decoupled_lr")
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(_request(model, opt, False), path)
+        saved = local_state(model, opt)
+        rt["lrs"] = saved_lrs
+        target, target_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
+        rt.phase("load")
+        loaded = dist_checkpointing.load(_request(target, target_opt, True), path)
+        target.module.load_state_dict(loaded["model"])
+        target_opt.load_state_dict(loaded["optimizer"])
+        rt.phase("groups")
+        if _lrs(target_opt) != saved_lrs:
+            raise AssertionError(
+                f"param groups' (max_lr, min_lr) after the load: {_lrs(target_opt)}, saved: {saved_lrs}"
+            )
+        rt.compare(saved, local_state(target, target_opt))
+    return rt.result
