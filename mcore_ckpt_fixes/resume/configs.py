@@ -27,6 +27,8 @@ class Config:
     # DDP's bucket size (elements) with overlap_grad_reduce, as --overlap-grad-reduce --ddp-bucket-size
     # (several buckets per gradient buffer); None: one bucket, no overlap.
     ddp_bucket_size: Optional[int] = None
+    # Megatron-LM's --decoupled-lr (the embedding and output layer's own learning rate), or None.
+    decoupled_lr: Optional[float] = None
     fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
     # How the distributed optimizer's checkpoint requests are built: "megatron" as
     # megatron.training's save_checkpoint / load_checkpoint build them (is_loading, metadata); as
@@ -114,6 +116,14 @@ CONFIGS = (
         optim_format="fully_reshardable",
         ddp_bucket_size=1000,
         needs=("fully-reshardable-buckets",),
+    ),
+    Config(
+        "dense-dp2-decoupled-lr",
+        "dense GPT, DP=2, --decoupled-lr (the embedding and output layer's own learning rate), "
+        "distributed optimizer (dp_reshardable)",
+        world=2,
+        decoupled_lr=0.03,
+        needs=("param-group-identity",),
     ),
     Config(
         "moe-ep2-bridge",

@@ -117,6 +117,8 @@ def _argv(cfg, ckpt_dir, steps):
         argv.append("--use-distributed-optimizer")
     if cfg.optim_format == "fully_reshardable":
         argv.append("--dist-ckpt-optim-fully-reshardable")
+    if cfg.decoupled_lr is not None:
+        argv += ["--decoupled-lr", str(cfg.decoupled_lr)]
     return argv
 
 

@@ -101,6 +101,11 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
     if out["needed_here"] == ["dist-optim-state"]:
         _assert_trainer_requests_without_the_fix(cfg, off)
         return
+    if out["needed_here"] == ["param-group-identity"]:
+        # The decoupled group's twin (alike but for max_lr) resumes with the decoupled max_lr: the
+        # first resumed step's loss is exact, its update runs at the wrong learning rate.
+        _assert_optimizer_state_silently_wrong(off, state=":max_lr")
+        return
     if out["needed_here"] == ["fully-reshardable-buckets"]:
         # Parameters after the first bucket are saved from other offsets of the gathered state: the
         # load restores other main values and moments, silently.
@@ -151,14 +156,14 @@ def _assert_trainer_requests_without_the_fix(cfg, off):
     _assert_optimizer_state_silently_wrong(off)
 
 
-def _assert_optimizer_state_silently_wrong(off):
+def _assert_optimizer_state_silently_wrong(off, state=":exp_avg_sq"):
     """The load completed and restored other optimizer state (main values, moments) than was saved:
     the first resumed step runs on the loaded model parameters (its loss is exact), its update is
     wrong, and from the next step on every rank differs."""
     assert off["verdict"] == "inexact", _fail_text(off)
     for r in off["ranks"]:
         assert r["first_step"] == resume.RESUME_AT + 2, _fail_text(off)
-        assert any(n.endswith(":exp_avg_sq") for n in r["differ_all"]), r["differ_all"]
+        assert any(n.endswith(state) for n in r["differ_all"]), r["differ_all"]
 
 
 def test_only_the_needed_fixes_resume_exactly():
