@@ -43,6 +43,7 @@ SCENARIOS = (
         prepare=_PREPARE,
         devices=("cpu",),
         requires=(_DP_RESHARDABLE,),
+        applicable=f"{_CORE}:default_format_unsavable",
         doc="save and load requests built with sharded_state_dict(model_sd), no metadata",
     ),
     Scenario(
