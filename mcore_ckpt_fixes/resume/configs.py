@@ -169,7 +169,11 @@ NOT_RUN = {
     "(ShardedTensor.flattened_range is rejected); a call without metadata, which asks for it, gets "
     "dp_reshardable with dist-optim-state (configuration dense-dp2-bare-requests)",
     "fsdp_dtensor": "Megatron-FSDP allocates its parameter and gradient buffers on a CUDA device; on a CPU "
-    "host the model cannot be wrapped",
+    "host the model cannot be wrapped, and its optimizer format (distrib_optim_sharding_type fsdp_dtensor) "
+    "needs it. Without it nothing deeper resumes: save_checkpoint's fsdp_dtensor branch with a plain DDP "
+    "model and Megatron's non-distributed optimizer stops in ChainedOptimizer.sharded_state_dict "
+    "(KeyError: 0, the optimizer's parameters are not in the fsdp_dtensor model state; measured on "
+    "0.19.2). The RNG entry of that format is round-tripped by rng-under-ep's checks",
 }
 
 
