@@ -148,3 +148,26 @@ def full_state(model, opt):
     for key in sorted(out):
         dist.all_reduce(out[key])
     return out
+
+
+def run_cases(run_case, names, ckpt_dir, patched):
+    """Several cases of a fix's round trips in one world: ``{case: run_case(case, ckpt_dir, patched,
+    cache)}``, the cases sharing the source saves ``run_case`` keeps in ``cache``."""
+    cache, out = {}, {}
+    with world():
+        for name in names:
+            out[name] = run_case(name, ckpt_dir, patched, cache)
+    return out
+
+
+def one_case(run_case, name):
+    """A world entry point (``selftest``'s scenario) that runs case ``name`` alone; named and placed
+    in ``run_case``'s module, so that ``"module:name"`` finds it and spawned ranks unpickle it."""
+
+    def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
+        with world():
+            return run_case(name, ckpt_dir, patched)
+
+    scenario.__name__ = scenario.__qualname__ = name
+    scenario.__module__ = run_case.__module__
+    return scenario

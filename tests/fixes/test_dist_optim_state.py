@@ -8,11 +8,11 @@ only (torch-adam-step stays on, as a user has it, so that the torch Adam case sh
 """
 
 import pytest
+from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.dist_optim_state import FIX
 from mcore_ckpt_fixes.fixes.dist_optim_state.checks import scenarios as sc
-from mcore_ckpt_fixes.testing import for_fix, resolve
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.dist_optim_state.checks.core"
 MODULE = "megatron.core.optimizer.distrib_optimizer"
@@ -44,15 +44,9 @@ def test_registry():
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     """Both halves, every case, one world each (cases share one save per kind of source)."""
-    if mcore_version not in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
-    resolve(f"{CORE}:prepare")()
-    out = {}
-    for patched in (False, True):
-        env = {} if patched else {"MCORE_CKPT_FIX_DIST_OPTIM_STATE": "off"}
-        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
-        out[patched] = values(run_world(f"{CORE}:cases", 2, {"ckpt_dir": ckpt, "patched": patched}, env=env))
-    return out
+    return both_halves(
+        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_DIST_OPTIM_STATE": "off"}, tmp_path_factory, mcore_version
+    )
 
 
 @pytest.mark.parametrize("case", list(UNPATCHED))

@@ -7,10 +7,10 @@ with ``dist_checkpointing``. See mcore_ckpt_fixes/fixes/fully_reshardable_bucket
 """
 
 import pytest
+from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.fully_reshardable_buckets import FIX
-from mcore_ckpt_fixes.testing import for_fix, resolve
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.fully_reshardable_buckets.checks.core"
 MODULE = "megatron.core.optimizer.distrib_optimizer"
@@ -29,15 +29,9 @@ def test_registry():
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    if mcore_version not in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
-    resolve(f"{CORE}:prepare")()
-    out = {}
-    for patched in (False, True):
-        env = {} if patched else {"MCORE_CKPT_FIX_FULLY_RESHARDABLE_BUCKETS": "off"}
-        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
-        out[patched] = values(run_world(f"{CORE}:cases", 2, {"ckpt_dir": ckpt, "patched": patched}, env=env))
-    return out
+    return both_halves(
+        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_FULLY_RESHARDABLE_BUCKETS": "off"}, tmp_path_factory, mcore_version
+    )
 
 
 def _loaded(deltas):

@@ -10,11 +10,11 @@ saved and loaded with ``dist_checkpointing``. See mcore_ckpt_fixes/fixes/param_g
 import warnings
 
 import pytest
+from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.param_group_identity import FIX
 from mcore_ckpt_fixes.fixes.param_group_identity.checks import scenarios as sc
-from mcore_ckpt_fixes.testing import for_fix, resolve
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.param_group_identity.checks.core"
 MODULE = "megatron.core.optimizer.optimizer"
@@ -23,15 +23,9 @@ BASE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    if mcore_version not in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
-    resolve(f"{CORE}:prepare")()
-    out = {}
-    for patched in (False, True):
-        env = {} if patched else {"MCORE_CKPT_FIX_PARAM_GROUP_IDENTITY": "off"}
-        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
-        out[patched] = values(run_world(f"{CORE}:round_trip", 2, {"ckpt_dir": ckpt, "patched": patched}, env=env))
-    return out
+    return both_halves(
+        FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_PARAM_GROUP_IDENTITY": "off"}, tmp_path_factory, mcore_version
+    )
 
 
 def test_registry():

@@ -32,7 +32,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ....resume.fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, local_state, step, world
+from ....testing.dist_optimizer import build, local_state, step, one_case, run_cases
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -147,22 +147,9 @@ def run_case(name, ckpt_dir, patched, cache=None):
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world (one source save per kind of source): ``{case: result}``."""
-    cache, out = {}, {}
-    with world():
-        for name in names or CASES:
-            out[name] = run_case(name, ckpt_dir, patched, cache)
-    return out
+    return run_cases(run_case, names or CASES, ckpt_dir, patched)
 
 
-def _scenario(name):
-    def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
-        with world():
-            return run_case(name, ckpt_dir, patched)
-
-    scenario.__name__ = scenario.__qualname__ = name
-    return scenario
-
-
-fresh_request = _scenario("fresh_request")
-no_metadata = _scenario("no_metadata")
-fp32_load = _scenario("fp32_load")
+fresh_request = one_case(run_case, "fresh_request")
+no_metadata = one_case(run_case, "no_metadata")
+fp32_load = one_case(run_case, "fp32_load")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ....resume.fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, full_state, step, world
+from ....testing.dist_optimizer import build, full_state, step, one_case, run_cases
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -114,18 +114,8 @@ def run_case(name, ckpt_dir, patched, cache=None):
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world (one source save per gathering mode): ``{case: result}``."""
-    cache, out = {}, {}
-    with world():
-        for name in names or CASES:
-            out[name] = run_case(name, ckpt_dir, patched, cache)
-    return out
+    return run_cases(run_case, names or CASES, ckpt_dir, patched)
 
 
-def buckets(rank, world_size, ckpt_dir, patched, device="cpu"):
-    with world():
-        return run_case("buckets", ckpt_dir, patched)
-
-
-def reshard(rank, world_size, ckpt_dir, patched, device="cpu"):
-    with world():
-        return run_case("reshard", ckpt_dir, patched)
+buckets = one_case(run_case, "buckets")
+reshard = one_case(run_case, "reshard")

@@ -25,7 +25,7 @@ import os
 
 import torch.distributed as dist
 
-from ....testing.dist_optimizer import SOURCE_SEED, build, distributed, local_state, step, world
+from ....testing.dist_optimizer import SOURCE_SEED, build, distributed, local_state, step, one_case, run_cases
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
@@ -135,22 +135,9 @@ def run_case(name, ckpt_dir, patched, cache=None):
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world (one source save per sharding type): ``{case: result}``."""
-    cache, out = {}, {}
-    with world():
-        for name in names or CASES:
-            out[name] = run_case(name, ckpt_dir, patched, cache)
-    return out
+    return run_cases(run_case, names or CASES, ckpt_dir, patched)
 
 
-def _scenario(name):
-    def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
-        with world():
-            return run_case(name, ckpt_dir, patched)
-
-    scenario.__name__ = scenario.__qualname__ = name
-    return scenario
-
-
-fresh_load = _scenario("fresh_load")
-stale_step = _scenario("stale_step")
-fully_reshardable = _scenario("fully_reshardable")
+fresh_load = one_case(run_case, "fresh_load")
+stale_step = one_case(run_case, "stale_step")
+fully_reshardable = one_case(run_case, "fully_reshardable")

@@ -1,0 +1,24 @@
+"""Both halves of a fix's round trips, one warm world each, for the fix tests' module fixtures.
+
+The entry point's module names a ``prepare`` (run in the parent first, so the worlds fork warm); the
+fix-off half runs with ``off_env`` (the fix's own flag off, or every fix off), the other with the
+flags at their defaults. Outside the fix's declared range the module's tests skip.
+"""
+
+import pytest
+
+from mcore_ckpt_fixes.testing import resolve
+from mcore_ckpt_fixes.testing.launcher import run_world, values
+
+
+def both_halves(fix, entry, off_env, tmp_path_factory, mcore_version, nproc=2):
+    """``{patched: [each rank's value]}`` for ``entry`` ("module:function") with the fix off and on."""
+    if mcore_version not in fix.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is outside {fix.affected}")
+    resolve(f"{entry.partition(':')[0]}:prepare")()
+    out = {}
+    for patched in (False, True):
+        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
+        kwargs = {"ckpt_dir": ckpt, "patched": patched}
+        out[patched] = values(run_world(entry, nproc, kwargs, env={} if patched else dict(off_env)))
+    return out
