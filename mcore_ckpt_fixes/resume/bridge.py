@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import job
+from ..testing.quiet import quiet
 
 MODULE = "megatron.bridge.training.checkpointing"
 # What Bridge's training loop adds to TrainState's FLOP counter per step: any fixed number does
@@ -141,9 +142,7 @@ def _train(model, optimizer, scheduler, args, cpu_gen, state, first, last):
 def _save(state, model, optimizer, scheduler):
     from megatron.bridge.training.checkpointing import save_checkpoint
 
-    from ..fixes.rng_under_ep.checks.bridge import _quiet
-
-    with _quiet():  # Bridge prints and logs a great deal per save; none of it is the result
+    with quiet():  # Bridge prints and logs a great deal per save; none of it is the result
         save_checkpoint(state, [model], optimizer, scheduler, state.train_state.floating_point_operations_so_far)
     dist.barrier()
 
@@ -152,9 +151,7 @@ def _load(state, model, optimizer, scheduler):
     """Bridge's load; the warnings it raised (recorded: a load that reads an older layout says so)."""
     from megatron.bridge.training.checkpointing import load_checkpoint
 
-    from ..fixes.rng_under_ep.checks.bridge import _quiet
-
-    with warnings.catch_warnings(record=True) as caught, _quiet():
+    with warnings.catch_warnings(record=True) as caught, quiet():
         warnings.simplefilter("always")
         iteration, _ = load_checkpoint(state, [model], optimizer, scheduler)
     return iteration, [f"{w.category.__name__}: {w.message}" for w in caught]

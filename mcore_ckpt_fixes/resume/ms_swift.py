@@ -37,14 +37,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import io
-import logging
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from . import job
+from ..testing.quiet import quiet
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 
@@ -65,20 +64,8 @@ def prepare() -> None:
     with contextlib.suppress(ImportError):
         from ..fixes.rng_under_ep.checks.ms_swift import import_swift
 
-        with _quiet():
+        with quiet():
             import_swift()
-
-
-@contextlib.contextmanager
-def _quiet():
-    """ms-swift logs (and mcore-bridge warns) per import, save and load; none of it is the result."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        logging.disable(previous)
 
 
 def _swift_args(cfg, ckpt_dir):
@@ -121,7 +108,7 @@ def _initialize(m, sargs):
     ``set_random_seed`` seeds only where it sees a GPU (its seed formula, PP=1)."""
     from megatron.core import tensor_parallel
 
-    with _quiet():
+    with quiet():
         m.initialize_megatron(sargs)
     if not torch.cuda.device_count():
         tensor_parallel.model_parallel_cuda_manual_seed(sargs.seed)
@@ -129,7 +116,7 @@ def _initialize(m, sargs):
 
 def _load(m, sargs, model, optimizer, scheduler):
     """ms-swift's load; the warnings it raised (recorded: a load that reads an older layout says so)."""
-    with warnings.catch_warnings(record=True) as caught, _quiet():
+    with warnings.catch_warnings(record=True) as caught, quiet():
         warnings.simplefilter("always")
         iteration = m.load_mcore_checkpoint(sargs, [model], optimizer, scheduler, load_arg="mcore_model")
     return iteration, [f"{w.category.__name__}: {w.message}" for w in caught]
@@ -148,7 +135,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
     elif phase == "save":
         out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
-        with _quiet():
+        with quiet():
             m.save_mcore_checkpoint(sargs, [model], optimizer, scheduler, iteration=resume_at, output_dir=ckpt_dir)
         dist.barrier()
         return out  # the stopped run's state is not compared: the resumed run's is

@@ -28,8 +28,6 @@ Stand-ins, besides :mod:`.job`'s (test and selftest workers only):
 from __future__ import annotations
 
 import contextlib
-import io
-import logging
 import os
 import warnings
 
@@ -37,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import job
+from ..testing.quiet import quiet
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 
@@ -49,18 +48,6 @@ def prepare() -> None:
 
         prepare_verl()
         import verl.workers.engine.megatron.utils  # noqa: F401
-
-
-@contextlib.contextmanager
-def _quiet():
-    """verl prints the transformer config and logs per save and load; none of it is the result."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        logging.disable(previous)
 
 
 @contextlib.contextmanager
@@ -136,7 +123,7 @@ def _step_dir(ckpt_dir, step):
 
 def _load(manager, path):
     """verl's load; the warnings it raised (recorded: a load that reads an older layout says so)."""
-    with warnings.catch_warnings(record=True) as caught, _quiet():
+    with warnings.catch_warnings(record=True) as caught, quiet():
         warnings.simplefilter("always")
         manager.load_checkpoint(path)
     return [f"{w.category.__name__}: {w.message}" for w in caught]
@@ -155,7 +142,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
     elif phase == "save":
         out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
-        with _quiet():
+        with quiet():
             manager.save_checkpoint(_step_dir(ckpt_dir, resume_at), global_step=resume_at)
         dist.barrier()
         return out  # the stopped run's state is not compared: the resumed run's is

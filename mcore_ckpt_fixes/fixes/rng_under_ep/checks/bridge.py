@@ -32,8 +32,6 @@ stand-in of :func:`mcore_ckpt_fixes.testing.standins.install_transformer_engine_
 from __future__ import annotations
 
 import contextlib
-import io
-import logging
 import warnings
 
 import torch
@@ -43,6 +41,7 @@ from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID as FIX_ID
 from .core import CudaRngStandIn, _model_tensors, _scramble, compare_exact, consume_streams, snapshot
+from ....testing.quiet import quiet
 
 MODULE = "megatron.bridge.training.checkpointing"
 EP = 2
@@ -192,18 +191,6 @@ def _round_trip():
     return rt
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Bridge prints and logs a great deal per save and load; none of it is the result."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        logging.disable(previous)
-
-
 def _save(state, model, stand_in, rt, patched):
     from megatron.bridge.training.checkpointing import save_checkpoint
 
@@ -214,7 +201,7 @@ def _save(state, model, stand_in, rt, patched):
     rt.phase("save")
     saved = snapshot()
     state.train_state.step = 1
-    with _quiet():
+    with quiet():
         save_checkpoint(state, [model], None, None, 0)
     dist.barrier()
     return saved
@@ -227,7 +214,7 @@ def _load(state, model, stand_in, rt):
     _seed_and_consume(state, stand_in, FRESH_SEED)  # other states than the saved ones, on every rank
     before = snapshot()
     rt.phase("load")
-    with warnings.catch_warnings(record=True) as caught, _quiet():
+    with warnings.catch_warnings(record=True) as caught, quiet():
         warnings.simplefilter("always")
         load_checkpoint(state, [model], None, None)
     # This fix's MegatronPatchWarning, or the plain warning of the source patch.
