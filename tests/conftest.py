@@ -106,3 +106,16 @@ def mcore_version():
     if v is None:
         pytest.fail("Megatron-Core is not importable in this environment (see tools/envs.sh)")
     return v
+
+
+def resume_fail_text(mode_out):
+    """What a resume check's mode (``on``, ``off``, ``only``) got wrong, for an assertion message:
+    the error, or per inexact rank where the losses and which values differ."""
+    if mode_out["verdict"] == "error":
+        return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
+    return "\n".join(
+        f"rank {r['rank']} (ep {r['ep']}, tp {r['tp']}): losses differ at {r['losses_differ']}, "
+        f"{r['n_differ']} values: {r['differ']}"
+        for r in mode_out["ranks"]
+        if not r["exact"]
+    )

@@ -20,6 +20,7 @@ Transformer Engine for importing Bridge (mcore_ckpt_fixes/testing/standins.py).
 from __future__ import annotations
 
 import pytest
+from conftest import resume_fail_text
 
 from framework_import import import_framework
 from mcore_ckpt_fixes.resume import check as resume
@@ -44,18 +45,8 @@ def checked():
     return resume.check(CFG)
 
 
-def _fail_text(mode_out):
-    if mode_out["verdict"] == "error":
-        return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
-    return "\n".join(
-        f"rank {r['rank']} (ep {r['ep']}): losses differ at {r['losses_differ']}, {r['n_differ']} values: {r['differ']}"
-        for r in mode_out["ranks"]
-        if not r["exact"]
-    )
-
-
 def _assert_exact_everywhere(out):
-    assert out["verdict"] == "exact", _fail_text(out)
+    assert out["verdict"] == "exact", resume_fail_text(out)
     assert [(r["rank"], r["ep"]) for r in out["ranks"]] == [(0, 0), (1, 1)], out["ranks"]
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step

@@ -30,7 +30,7 @@ from importlib import metadata
 
 import pytest
 
-from conftest import run_py
+from conftest import run_py, resume_fail_text
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import by_name
 
@@ -76,19 +76,9 @@ def checked(tmp_path_factory):
     return out
 
 
-def _fail_text(mode_out):
-    if mode_out["verdict"] == "error":
-        return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
-    return "\n".join(
-        f"rank {r['rank']} (ep {r['ep']}): losses differ at {r['losses_differ']}, {r['n_differ']} values: {r['differ']}"
-        for r in mode_out["ranks"]
-        if not r["exact"]
-    )
-
-
 def test_ms_swift_resume_exact_with_the_fixes(checked):
     out = checked["on"]
-    assert out["verdict"] == "exact", _fail_text(out)
+    assert out["verdict"] == "exact", resume_fail_text(out)
     assert [(r["rank"], r["ep"]) for r in out["ranks"]] == [(0, 0), (1, 1)], out["ranks"]
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
@@ -103,9 +93,9 @@ def test_ms_swift_resume_exact_with_the_fixes(checked):
 def test_ms_swift_resume_without_the_fixes_ep_rank_1_resumes_on_rank_0s_streams(checked):
     assert checked["needed_here"] == ["rng-under-ep"], checked["needed_here"]
     off = checked["off"]
-    assert off["verdict"] == "inexact", _fail_text(off)
+    assert off["verdict"] == "inexact", resume_fail_text(off)
     first = resume.RESUME_AT + 1
     ep0, ep1 = sorted(off["ranks"], key=lambda r: r["ep"])
     assert (ep0["ep"], ep1["ep"]) == (0, 1), off["ranks"]
-    assert ep1["first_step"] == first and EXPERT_STREAM in ep1["differ_all"], _fail_text(off)
-    assert ep0["first_step"] == first + 1 and EXPERT_STREAM not in ep0["differ_all"], _fail_text(off)
+    assert ep1["first_step"] == first and EXPERT_STREAM in ep1["differ_all"], resume_fail_text(off)
+    assert ep0["first_step"] == first + 1 and EXPERT_STREAM not in ep0["differ_all"], resume_fail_text(off)

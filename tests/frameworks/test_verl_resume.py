@@ -20,6 +20,7 @@ saves the (stood-in) CUDA generator as it does on a GPU (mcore_ckpt_fixes/resume
 from __future__ import annotations
 
 import pytest
+from conftest import resume_fail_text
 
 from framework_import import import_framework
 from mcore_ckpt_fixes.resume import check as resume
@@ -38,19 +39,9 @@ def checked():
     return resume.check(CFG)
 
 
-def _fail_text(mode_out):
-    if mode_out["verdict"] == "error":
-        return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
-    return "\n".join(
-        f"rank {r['rank']} (ep {r['ep']}): losses differ at {r['losses_differ']}, {r['n_differ']} values: {r['differ']}"
-        for r in mode_out["ranks"]
-        if not r["exact"]
-    )
-
-
 def test_verl_resume_exact_with_the_fixes(checked):
     out = checked["on"]
-    assert out["verdict"] == "exact", _fail_text(out)
+    assert out["verdict"] == "exact", resume_fail_text(out)
     assert [(r["rank"], r["ep"]) for r in out["ranks"]] == [(0, 0), (1, 1)], out["ranks"]
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
@@ -64,9 +55,9 @@ def test_verl_resume_exact_with_the_fixes(checked):
 def test_verl_resume_without_the_fixes_ep_rank_1_resumes_on_rank_0s_streams(checked):
     assert checked["needed_here"] == ["rng-under-ep"], checked["needed_here"]
     off = checked["off"]
-    assert off["verdict"] == "inexact", _fail_text(off)
+    assert off["verdict"] == "inexact", resume_fail_text(off)
     first = resume.RESUME_AT + 1
     ep0, ep1 = sorted(off["ranks"], key=lambda r: r["ep"])
     assert (ep0["ep"], ep1["ep"]) == (0, 1), off["ranks"]
-    assert ep1["first_step"] == first and EXPERT_STREAM in ep1["differ_all"], _fail_text(off)
-    assert ep0["first_step"] == first + 1, _fail_text(off)
+    assert ep1["first_step"] == first and EXPERT_STREAM in ep1["differ_all"], resume_fail_text(off)
+    assert ep0["first_step"] == first + 1, resume_fail_text(off)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import megatron_version
+from conftest import megatron_version, resume_fail_text
 
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import MIMO_WORLD2_BUG
@@ -62,22 +62,11 @@ def _checked(cfg, modes=None):
     return out
 
 
-def _fail_text(mode_out):
-    if mode_out["verdict"] == "error":
-        return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
-    return "\n".join(
-        f"rank {r['rank']} (ep {r['ep']}, tp {r['tp']}): losses differ at {r['losses_differ']}, "
-        f"{r['n_differ']} values: {r['differ']}"
-        for r in mode_out["ranks"]
-        if not r["exact"]
-    )
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_exact_with_the_fixes(cfg):
     _needs_training()
     out = _checked(cfg)["on"]
-    assert out["verdict"] == "exact", _fail_text(out)
+    assert out["verdict"] == "exact", resume_fail_text(out)
     assert len(out["ranks"]) == cfg.world
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step compared
@@ -111,9 +100,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
         # load restores other main values and moments, silently.
         _assert_optimizer_state_silently_wrong(off)
         return
-    assert off["verdict"] != "error", _fail_text(off)
+    assert off["verdict"] != "error", resume_fail_text(off)
     if not out["needed_here"]:
-        assert off["verdict"] == "exact", _fail_text(off)
+        assert off["verdict"] == "exact", resume_fail_text(off)
         return
     assert out["needed_here"] == ["rng-under-ep"], out["needed_here"]
     # rng-under-ep: every EP rank > 0 resumes on EP rank 0's RNG streams. Its first resumed step
@@ -124,10 +113,10 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
     assert off["verdict"] == "inexact"
     for r in off["ranks"]:
         if r["ep"] > 0:
-            assert r["first_step"] == first, _fail_text(off)
+            assert r["first_step"] == first, resume_fail_text(off)
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
-            assert r["first_step"] != first, _fail_text(off)
+            assert r["first_step"] != first, resume_fail_text(off)
 
 
 def _assert_mimo_without_the_fix(off):
@@ -136,7 +125,7 @@ def _assert_mimo_without_the_fix(off):
     0 rejects the checkpoint: the stopped run cannot save at all (the round trips' ``world2`` error;
     on 0.17 this comes before the load-side defects). 0.19 writes per-module keys itself: there the
     configuration is not counted as needing the fix and resumes exactly without it (above)."""
-    assert off["verdict"] == "error", _fail_text(off)
+    assert off["verdict"] == "error", resume_fail_text(off)
     expected = "save run: rank 0: mcore_ckpt_fixes.resume.mimo._Failed: save (raised on rank 0): "
     assert off["error"] == expected + " ".join(MIMO_WORLD2_BUG.error.split()), off["error"]
 
@@ -148,7 +137,7 @@ def _assert_trainer_requests_without_the_fix(cfg, off):
     moments and says nothing: the first resumed step runs on the loaded parameters (its loss is
     exact), its update starts the moments from zero, and from the next step on every rank differs."""
     if cfg.optimizer_requests == "bare":
-        assert off["verdict"] == "error", _fail_text(off)
+        assert off["verdict"] == "error", resume_fail_text(off)
         expected = "CheckpointingException: ShardedTensor.flattened_range is not supported."
         assert off["error"] == f"save run: rank 0: megatron.core.dist_checkpointing.core.{expected}", off["error"]
         return
@@ -160,9 +149,9 @@ def _assert_optimizer_state_silently_wrong(off, state=":exp_avg_sq"):
     """The load completed and restored other optimizer state (main values, moments) than was saved:
     the first resumed step runs on the loaded model parameters (its loss is exact), its update is
     wrong, and from the next step on every rank differs."""
-    assert off["verdict"] == "inexact", _fail_text(off)
+    assert off["verdict"] == "inexact", resume_fail_text(off)
     for r in off["ranks"]:
-        assert r["first_step"] == resume.RESUME_AT + 2, _fail_text(off)
+        assert r["first_step"] == resume.RESUME_AT + 2, resume_fail_text(off)
         assert any(n.endswith(state) for n in r["differ_all"]), r["differ_all"]
 
 
@@ -175,7 +164,7 @@ def test_only_the_needed_fixes_resume_exactly():
     assert out["needed_here"] == ["mimo-optimizer"], out["needed_here"]  # without it, no save (above)
     assert resume.mode_env(MIMO, resume.ONLY) == {"MCORE_CKPT_FIXES": "mimo-optimizer"}
     only = out[resume.ONLY]
-    assert only["verdict"] == "exact", _fail_text(only)
+    assert only["verdict"] == "exact", resume_fail_text(only)
     assert len(only["ranks"]) == MIMO.world
     assert [r["n_compared"] for r in only["ranks"]] == [r["n_compared"] for r in out["on"]["ranks"]]
 
@@ -235,7 +224,7 @@ def _fails_on_the_fresh_optimizer(off):
     load_checkpoint into the freshly built optimizer of the resumed run stops in
     DistributedOptimizer.state_dict's ``assert len(steps) == 1`` (no parameter has a step before
     the first one): torch-adam-step's defect (a), catalogued as ``torch-adam-fresh-load``."""
-    assert off["verdict"] == "error", _fail_text(off)
+    assert off["verdict"] == "error", resume_fail_text(off)
     assert off["error"].startswith("resume run: rank 0: AssertionError"), off["error"]
     frames = [line for line in off["detail"].splitlines() if line.strip().startswith("File ")]
     assert "distrib_optimizer.py" in frames[-1] and frames[-1].endswith("in state_dict"), frames[-3:]
