@@ -1,0 +1,1 @@
+"""chained-optim-main-params-split, the round trips run by the tests and selftest (never by a job)."""

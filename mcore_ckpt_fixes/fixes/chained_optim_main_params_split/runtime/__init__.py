@@ -1,0 +1,1 @@
+"""chained-optim-main-params-split, what runs in a job once the probe finds the bug (runtime/core.py)."""
