@@ -1,7 +1,8 @@
 """rerun-state-constant-structure's round trip as the suite and ``selftest`` find it (no torch, no
 Megatron here). World 2: the real RerunStateMachine in VALIDATE_RESULTS mode with its error injector,
 a steady-state save and a fault-time save through one cached torch_dist save plan, a resume in a new
-machine (see checks/core.py).
+machine; through megatron.training's save_checkpoint / load_checkpoint where the release ships it
+(see checks/core.py).
 """
 
 from __future__ import annotations
