@@ -19,4 +19,5 @@ ORDER = (
     "fully-reshardable-buckets",
     "param-group-identity",
     "chained-optim-main-params-split",
+    "rerun-state-constant-structure",
 )

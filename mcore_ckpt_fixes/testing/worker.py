@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import os
 import pickle
@@ -97,18 +98,33 @@ def _fork_checkpoint_results_queue() -> None:
     (``megatron.training.async_utils``). Here the first save asks for ``fork`` by default, in this
     rank only; a world that never saves starts no manager. Only where the parent imported the
     writer already (forked ranks): a spawned rank must not import Megatron before its scenario does.
-    Releases without the function (or without its ``mp_mode``) are left as they are."""
+    Before 0.17 the function is ``_get_write_results_queue()``, always ``spawn``: the same queue is
+    made here with a forked manager and kept where the release keeps it (``_results_queue``).
+    Releases with neither are left as they are."""
     import inspect
 
     module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
     original = getattr(module, "get_write_results_queue", None)
-    if original is None or "mp_mode" not in inspect.signature(original).parameters:
+    if original is None:
+        if callable(getattr(module, "_get_write_results_queue", None)) and hasattr(module, "_results_queue"):
+            module._get_write_results_queue = functools.partial(_forked_results_queue, module)
+        return
+    if "mp_mode" not in inspect.signature(original).parameters:
         return
 
     def get_write_results_queue(mp_mode="fork"):
         return original(mp_mode=mp_mode)
 
     module.get_write_results_queue = get_write_results_queue
+
+
+def _forked_results_queue(module):
+    """``_get_write_results_queue`` of releases before 0.17, with a forked manager."""
+    import multiprocessing
+
+    if module._results_queue is None:
+        module._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    return module._results_queue
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,1 @@
+"""rerun-state-constant-structure's round trips (test and selftest processes only)."""

@@ -1,0 +1,298 @@
+"""rerun-state-constant-structure's round trip, on 2 gloo ranks.
+
+The real ``RerunStateMachine`` (the process singleton, as Megatron-LM's training loop uses it) in
+``VALIDATE_RESULTS`` mode with its own error injector (``error_injection_rate=1``,
+``PERSISTENT_ERROR``: every validated result from the second step on is rejected and reproduces in
+place), a ``RerunDataIterator`` over the batch numbers, and a loop that drives it as
+``train_step`` does (``should_run_forward_backward`` / ``validate_result`` /
+``should_checkpoint_and_exit``). Step 1 ends normally and is saved (the steady-state save that
+caches the plan); step 2 ends with the machine asking for a checkpoint and exit
+(``WILL_RERUN_FROM_CHECKPOINT``) and is saved through the same cached plan. A new machine then loads
+and runs the step again.
+
+Where the release ships ``megatron.training`` (0.17+): the resume check's small GPT
+(:mod:`mcore_ckpt_fixes.resume.job`: Megatron's arguments with ``--ckpt-assume-constant-structure``,
+model, DDP, distributed optimizer, one real training step), saved with
+``megatron.training.checkpointing.save_checkpoint`` (one ``checkpointing_context`` for both saves,
+``train_data_iterator`` the machine's iterator) and loaded with ``load_checkpoint`` into a new model.
+Before 0.17 its calls are made here as it makes them: one ``TorchDistSaveShardedStrategy`` with
+``use_cached_ckpt_structure`` and ``thread_count=1`` kept for every save, sharding validation only
+on the first, ``rerun_state_machine`` in the state dict only when the machine's
+``state_dict(data_iterator, "torch_dist")`` returns one, and a rank's model shard; the load reads the
+common state first, asks for the ``force=True`` template only where ``validate_state_dict`` accepts
+it, and calls ``load_state_dict``.
+
+Checked on every rank (phase ``rerun-state``): the machine after the load has what it had at the
+fault-time save (state, requests, failed call, initial result, suspicious node and device, the data
+iterator's replay buffers), and the resumed step is the rerun from checkpoint (the machine
+recognises the same node and device and asks to restart again, ``EXIT_CODE_RESUME_TO_DISAMBIGUATE``).
+With the fix on, both checkpoints are also loaded with the release's own ``state_dict`` building the
+request (the fix changes no load request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+FIELDS = (
+    "state",
+    "current_iteration",
+    "rerun_requested",
+    "checkpoint_requested",
+    "restart_again_requested",
+    "continue_requested",
+    "failed_validation_call",
+    "initial_result",
+    "suspicious_node",
+    "suspicious_device",
+)
+
+
+def prepare() -> None:
+    """In the parent of a forked world: the modules the ranks use (the checkpoint writer's among
+    them, so that the worker gives its results queue a forked manager, not a spawned one)."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    import megatron.core.rerun_state_machine  # noqa: F401
+
+    if _training() is not None:
+        from megatron.core.models.gpt import GPTModel  # noqa: F401
+        from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
+
+
+def _training():
+    """``megatron.training.checkpointing`` where the release ships it, else None."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return None
+    return checkpointing
+
+
+@contextlib.contextmanager
+def _machine():
+    """A fresh process-wide machine in VALIDATE_RESULTS mode, injecting a persistent error."""
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.initialize_rerun_state_machine(
+        mode=rsm.RerunMode.VALIDATE_RESULTS,
+        error_injector=rsm.RerunErrorInjector(
+            error_injection_rate=1, error_injection_type=rsm.RerunDiagnostic.PERSISTENT_ERROR
+        ),
+    )
+    try:
+        yield rsm.get_rerun_state_machine(), rsm.RerunDataIterator(iter(range(1000)))
+    finally:
+        rsm.destroy_rerun_state_machine()
+
+
+def _step(machine, data):
+    """One training step as train_step drives the machine: (should_checkpoint, should_exit, code)."""
+    while machine.should_run_forward_backward(data):
+        loss = torch.tensor(float(next(data)))
+        machine.validate_result(result=loss, rejection_func=torch.isnan, message="loss is NaN")
+    return machine.should_checkpoint_and_exit()
+
+
+def _model(rank, seed):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    g = torch.Generator().manual_seed(seed + rank)
+    w = torch.randn(4, 3, generator=g)
+    return w, {"w": ShardedTensor.from_rank_offsets("model.w", w, (0, rank, dist.get_world_size()))}
+
+
+def _save(path, strategy, first, model_sd, machine, data):
+    from megatron.core import dist_checkpointing
+
+    state = {"model": model_sd}
+    rerun = machine.state_dict(data_iterator=data, ckpt_format="torch_dist")
+    if rerun:  # generate_state_dict adds the entry only then
+        state["rerun_state_machine"] = rerun
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, path, strategy, validate_access_integrity=first)
+
+
+def _strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    strategy.use_cached_ckpt_structure = True
+    strategy.thread_count = 1
+    return strategy
+
+
+def _load(path, model_sd, machine, state_dict=None):
+    """As ``load_checkpoint`` reads the rerun state: the common state first, the machine's
+    ``force=True`` template only where ``validate_state_dict`` accepts what was saved.
+    ``state_dict``: the function that builds the template (default: the machine's own)."""
+    from megatron.core import dist_checkpointing
+
+    build = state_dict or type(machine).state_dict
+    common = dist_checkpointing.load_common_state_dict(path)
+    request = {} if model_sd is None else {"model": model_sd}
+    if "rerun_state_machine" in common and machine.validate_state_dict(common["rerun_state_machine"]):
+        request["rerun_state_machine"] = build(machine, None, "torch_dist", force=True)
+    loaded = dist_checkpointing.load(request, path)
+    if "rerun_state_machine" in request:  # else load_checkpoint keeps ignore_rerun_state
+        machine.load_state_dict(loaded["rerun_state_machine"])
+    return loaded
+
+
+def on_disk(path):
+    """What a checkpoint holds of the rerun state: the common entry's state, and the sharded keys."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    common = dist_checkpointing.load_common_state_dict(path).get("rerun_state_machine")
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {
+        "common_state": None if common is None else common["state"].name,
+        "sharded": sorted(k for k in keys if k.startswith("rerun_state_machine")),
+    }
+
+
+def _view(machine):
+    out = {f: getattr(machine, f) for f in FIELDS}
+    out["state"] = out["state"].name
+    out["initial_result"] = None if out["initial_result"] is None else float(out["initial_result"])
+    out["failed_validation_call"] = repr(out["failed_validation_call"])
+    out["data_iterator_checkpoints"] = repr(machine.data_iterator_checkpoints)
+    return out
+
+
+def error_line(exc):
+    """``Type: message``; for torch DCP's CheckpointException (every rank's traceback) its first
+    error line, without the rank's shard suffix of the key (the full text stays in raw_error)."""
+    text = str(exc)
+    for line in text.splitlines():
+        if line.startswith("RuntimeError: "):
+            return f"{type(exc).__name__}: {line[len('RuntimeError: ') :].split('/shard_')[0]}"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _train_and_save(rt, ckpt_dir, rank):
+    """Step 1 and the steady-state save, step 2 (the fault) and its save, with one strategy, as
+    save_checkpoint makes them; returns this rank's model shard and the two checkpoints."""
+    strategy = _strategy()
+    paths = [os.path.join(ckpt_dir, it) for it in ("iter_1", "iter_2")]
+    with _machine() as (machine, data):
+        w, model_sd = _model(rank, 1)
+        assert _step(machine, data)[0] is False
+        _save(paths[0], strategy, True, model_sd, machine, data)
+        rt["fault_exit"] = list(_step(machine, data))
+        rt["saved"] = _saved(machine, data)
+        _save(paths[1], strategy, False, model_sd, machine, data)
+    rt["on_disk"] = [on_disk(p) for p in paths]
+    return w, paths
+
+
+def _saved(machine, data):
+    saved = _view(machine)
+    saved["data_iterator_checkpoints"] = repr([data.state_dict()])
+    return saved
+
+
+def _resume(path, rank, state_dict=None, model=True):
+    """A new machine loads ``path`` and runs the step again: what it restored and what it did."""
+    with _machine() as (machine, data):
+        model_sd = _model(rank, 2)[1] if model else None
+        loaded = _load(path, model_sd, machine, state_dict)
+        restored = _view(machine)
+        restored["resumed_exit"] = list(_step(machine, data))
+        restored["resumed_state"] = machine.state.name
+    return loaded, restored
+
+
+def _parameters(model):
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def _through_megatron_training(rt, training, ckpt_dir):
+    """The same two saves with save_checkpoint (one checkpointing_context, as the training loop
+    keeps it) after a real training step, and load_checkpoint into a new model."""
+    from megatron.core import parallel_state as mpu
+
+    from ....resume import job
+    from ....resume.configs import Config
+
+    cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
+    with job.worker(cfg, "cpu") as cpu_gen:
+        args = job._args(cfg, ckpt_dir, 2)
+        args.ckpt_assume_constant_structure = True
+        mpu.initialize_model_parallel()
+        job._seed(args)
+        model, optimizer, scheduler = job._build(args, cfg)
+        context = {}
+        with _machine() as (machine, data):
+            job.train_step(model, optimizer, scheduler, args, cpu_gen)
+            assert _step(machine, data)[0] is False
+            training.save_checkpoint(1, [model], optimizer, scheduler, 0, context, train_data_iterator=data)
+            rt["fault_exit"] = list(_step(machine, data))
+            rt["saved"] = _saved(machine, data)
+            training.save_checkpoint(2, [model], optimizer, scheduler, 0, context, train_data_iterator=data)
+        saved = _parameters(model)
+        dist.barrier()
+        paths = [training.get_checkpoint_name(ckpt_dir, it, return_base_dir=True) for it in (1, 2)]
+        rt["on_disk"] = [on_disk(p) for p in paths]
+        rt.phase("load")
+        model, optimizer, scheduler = job._build(args, cfg)
+        with _machine() as (machine, data):
+            rt["iteration"] = training.load_checkpoint([model], optimizer, scheduler, checkpointing_context={})[0]
+            rt["loaded"] = _view(machine)
+            rt["loaded"]["resumed_exit"] = list(_step(machine, data))
+            rt["loaded"]["resumed_state"] = machine.state.name
+        rt.compare(saved, _parameters(model), prefix="model/")
+    return paths
+
+
+def _through_dist_checkpointing(rt, ckpt_dir, rank):
+    w, paths = _train_and_save(rt, ckpt_dir, rank)
+    rt.phase("load")
+    loaded, rt["loaded"] = _resume(paths[1], rank)
+    rt.compare({"model/w": w}, {"model/w": loaded["model"]["w"]})
+    return paths
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    from ....engine.patching import original
+    from ....testing.cpu_shims import cuda_to_cpu_mode
+
+    rt = RoundTrip(error_line=error_line)
+    training = _training()
+    rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
+    on_cpu = device == "cpu" and not torch.cuda.is_available()
+    with rt.running():
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt.phase("save")
+        if training is not None:
+            paths = _through_megatron_training(rt, training, ckpt_dir)
+        # The machine all-reduces its requests in tensors made with device="cuda".
+        with cuda_to_cpu_mode() if on_cpu else contextlib.nullcontext():
+            if training is None:
+                paths = _through_dist_checkpointing(rt, ckpt_dir, rank)
+            if patched:
+                # What the release's own load makes of them (the fix changes no load request).
+                rt.phase("load")
+                release = original(RerunStateMachine, "state_dict")
+                rt["loaded_by_release"] = _resume(paths[1], rank, release, model=False)[1]
+                rt["steady_by_release"] = _resume(paths[0], rank, release, model=False)[1]
+        rt.phase("rerun-state")
+        differ = sorted(k for k in rt["saved"] if rt["saved"][k] != rt["loaded"][k])
+        if differ:
+            raise AssertionError(f"the rerun state machine after the load differs from the saved one in {differ}")
+    return rt.result
