@@ -22,6 +22,7 @@ class Config:
     world: int
     tp: int = 1
     ep: int = 0  # expert-parallel size (0: a dense model)
+    etp: int = 0  # expert-tensor-parallel size (0: Megatron's default, the TP size)
     distributed_optimizer: bool = True
     optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
     # DDP's bucket size (elements) with overlap_grad_reduce, as --overlap-grad-reduce --ddp-bucket-size
