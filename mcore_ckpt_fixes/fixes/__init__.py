@@ -18,4 +18,5 @@ ORDER = (
     "dist-optim-state",
     "fully-reshardable-buckets",
     "param-group-identity",
+    "legacy-save-writers",
 )

@@ -94,6 +94,17 @@ CONFIGS = (
         needs=("torch-adam-step", "rng-under-ep"),
     ),
     Config(
+        "moe-tp2-etp1-legacy",
+        "MoE GPT, TP=2 with EP=1 and expert TP=1 on 2 ranks (sequence parallel), saved in the legacy "
+        "torch format (mp_rank_* files)",
+        world=2,
+        tp=2,
+        ep=1,
+        etp=1,
+        ckpt_format="torch",
+        needs=("legacy-save-writers",),
+    ),
+    Config(
         "dense-dp2-load-without-is-loading",
         "dense GPT, DP=2, distributed optimizer (dp_reshardable) whose load request is built without "
         "is_loading, as third-party trainers have built it",
