@@ -20,4 +20,5 @@ ORDER = (
     "param-group-identity",
     "chained-optim-main-params-split",
     "rerun-state-constant-structure",
+    "legacy-save-writers",
 )

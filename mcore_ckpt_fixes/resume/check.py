@@ -54,13 +54,19 @@ def prepare() -> None:
     prepare_ms_swift()
 
 
+def _peer_lost(error) -> bool:
+    last = (error or "").strip().splitlines()[-1:]
+    return bool(last) and ("Connection closed by peer" in last[0] or "Connection reset by peer" in last[0])
+
+
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
     # CUDA state does not survive a fork: on a GPU the ranks are fresh interpreters (gloo still,
     # so that several ranks may share one GPU).
     method = "spawn" if device == "cuda" else "fork"
     results = run_world(cfg.job, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
-    failed = [r for r in results if not r.ok]
+    # A rank whose peer failed reports the lost connection; the peer's own error is the cause.
+    failed = sorted((r for r in results if not r.ok), key=lambda r: _peer_lost(r.error))
     if failed:
         last = (failed[0].error or "").strip().splitlines()
         return None, f"{phase} run: rank {failed[0].rank}: {last[-1] if last else 'failed'}", failed[0].error

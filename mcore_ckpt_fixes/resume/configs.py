@@ -22,6 +22,7 @@ class Config:
     world: int
     tp: int = 1
     ep: int = 0  # expert-parallel size (0: a dense model)
+    etp: int = 0  # expert-tensor-parallel size (0: Megatron's default, the TP size)
     distributed_optimizer: bool = True
     optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
     # DDP's bucket size (elements) with overlap_grad_reduce, as --overlap-grad-reduce --ddp-bucket-size
@@ -91,6 +92,17 @@ CONFIGS = (
         ep=2,
         fused_adam=False,
         needs=("torch-adam-step", "rng-under-ep"),
+    ),
+    Config(
+        "moe-tp2-etp1-legacy",
+        "MoE GPT, TP=2 with EP=1 and expert TP=1 on 2 ranks (sequence parallel), saved in the legacy "
+        "torch format (mp_rank_* files)",
+        world=2,
+        tp=2,
+        ep=1,
+        etp=1,
+        ckpt_format="torch",
+        needs=("legacy-save-writers",),
     ),
     Config(
         "dense-dp2-load-without-is-loading",

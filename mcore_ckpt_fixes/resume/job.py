@@ -1,8 +1,8 @@
 """One rank of a resume-check run: a small GPT trained with Megatron's own parts.
 
 Megatron's arguments (``parse_args`` / ``validate_args`` / ``set_global_variables``, no
-tokenizer), ``GPTModel`` (local layers; MoE with one expert per EP rank where the configuration
-has experts), ``Float16Module`` (bf16), Megatron's ``DistributedDataParallel``,
+tokenizer), ``GPTModel`` (local layers; MoE where the configuration has experts: one expert per
+EP rank, two under EP=1, sequence parallel under TP > 1), ``Float16Module`` (bf16), Megatron's ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (the distributed optimizer where the configuration says so),
 ``get_optimizer_param_scheduler``, and ``megatron.training.checkpointing``'s ``save_checkpoint`` /
 ``load_checkpoint``: the same calls a training run makes between steps.
@@ -21,7 +21,9 @@ Every RNG stream Megatron checkpoints is consumed every step, each into the loss
 CPU stand-ins (worker processes only): torch's default generator plays the CUDA default generator
 and a second one the CPU generator (:mod:`.rng_standin`), so a tracker fork really changes what
 dropout and ``normal_()`` draw; ``device="cuda"`` tensors are made on the CPU (``cuda_to_cpu_mode``); Apex's FusedAdam is
-stood in for where the configuration asks for it (``fused_adam``). On CUDA none of them is used.
+stood in for where the configuration asks for it (``fused_adam``); under sequence parallel torch's
+norm takes Apex's ``FusedLayerNorm``'s place (:func:`sequence_parallel_torch_norms`). On CUDA none of
+them is used.
 """
 
 from __future__ import annotations
@@ -104,21 +106,34 @@ def _argv(cfg, ckpt_dir, steps):
         str(SEED),
     ]
     if cfg.ep:
-        argv += [
-            "--num-experts",
-            str(cfg.ep),
-            "--expert-model-parallel-size",
-            str(cfg.ep),
-            "--moe-router-force-load-balancing",
-            "--moe-token-dispatcher-type",
-            "allgather",
-        ]
+        argv += _moe_argv(cfg)
     if cfg.distributed_optimizer:
         argv.append("--use-distributed-optimizer")
     if cfg.optim_format == "fully_reshardable":
         argv.append("--dist-ckpt-optim-fully-reshardable")
     if cfg.decoupled_lr is not None:
         argv += ["--decoupled-lr", str(cfg.decoupled_lr)]
+    return argv
+
+
+def _moe_argv(cfg):
+    """MoE arguments: experts, expert parallelism and their layout."""
+    argv = [
+        "--num-experts",
+        str(max(cfg.ep, 2)),  # the router's default top-2 needs two experts, also under EP=1
+        "--expert-model-parallel-size",
+        str(cfg.ep),
+        "--moe-router-force-load-balancing",
+        "--moe-token-dispatcher-type",
+        "allgather",
+    ]
+    if cfg.etp:
+        argv += ["--expert-tensor-parallel-size", str(cfg.etp)]
+    if cfg.tp > 1:
+        # MoE layers refuse to train under TP without sequence parallel. Without biases: with
+        # expert TP 1 an expert's output is its reduce-scatter's input returned as a view, and
+        # SequentialMLP adds the bias to it in place, which autograd rejects on any device.
+        argv += ["--sequence-parallel", "--disable-bias-linear"]
     return argv
 
 
@@ -309,7 +324,11 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     args = _args(cfg, ckpt_dir, steps)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, expert_model_parallel_size=cfg.ep or 1)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp,
+        expert_model_parallel_size=cfg.ep or 1,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
     _seed(args)
     model, optimizer, scheduler = _build(args, cfg)
     out = {"coords": _coords(), "losses": {}}
@@ -325,12 +344,49 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         # the check across releases reports what each load said.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            iteration, _ = load_checkpoint([model], optimizer, scheduler)
+            iteration, _ = _load(load_checkpoint, model, optimizer, scheduler)
         out["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
         out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
     return out
+
+
+def _load(load_checkpoint, model, optimizer, scheduler):
+    """``load_checkpoint``; where it gives up by printing why and calling ``sys.exit()`` (a legacy
+    file it cannot read), an error carrying what it printed, not a bare ``SystemExit``."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            return load_checkpoint([model], optimizer, scheduler)
+    except SystemExit:
+        said = [line for line in printed.getvalue().splitlines() if line.strip()]
+        raise RuntimeError(f"load_checkpoint exited: {' / '.join(said[-2:])}") from None
+
+
+@contextlib.contextmanager
+def sequence_parallel_torch_norms():
+    """Apex's ``FusedLayerNorm`` stood in by torch's under sequence parallel (Apex does not install
+    without CUDA; Megatron's torch norm refuses sequence parallel). What Apex's adds for it is a
+    mark: the norm's parameters get ``sequence_parallel = True``, so that ``finalize_model_grads``
+    all-reduces their gradients across the TP group (each TP rank saw its own part of the sequence)."""
+    import dataclasses as dc
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        norm = original(cls, dc.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = original
 
 
 @contextlib.contextmanager
@@ -348,6 +404,8 @@ def worker(cfg, device):
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
+            if cfg.ep and cfg.tp > 1:
+                stack.enter_context(sequence_parallel_torch_norms())
         if on_cpu or not cfg.fused_adam:
             # On a GPU the FusedAdam path is the installed Apex's or Transformer Engine's; a CPU
             # host has neither, so the stand-in takes its place.

@@ -11,6 +11,8 @@ allocations on the CPU).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import megatron_version, resume_fail_text
@@ -100,6 +102,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
         # load restores other main values and moments, silently.
         _assert_optimizer_state_silently_wrong(off)
         return
+    if out["needed_here"] == ["legacy-save-writers"]:
+        _assert_legacy_file_never_written(off)
+        return
     assert off["verdict"] != "error", resume_fail_text(off)
     if not out["needed_here"]:
         assert off["verdict"] == "exact", resume_fail_text(off)
@@ -117,6 +122,18 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
             assert r["first_step"] != first, resume_fail_text(off)
+
+
+def _assert_legacy_file_never_written(off):
+    """TP=2, EP=1, expert TP=1, legacy torch format, every fix off (0.17.x): only expert-DP rank 0
+    (TP rank 0) writes, the save returns and records the iteration, and the resumed run's TP rank 1
+    finds no file to load: Megatron prints why and exits in load_checkpoint."""
+    assert off["verdict"] == "error", resume_fail_text(off)
+    expected = (
+        r"resume run: rank 1: RuntimeError: load_checkpoint exited: could not load the checkpoint / "
+        r"\[Errno 2\] No such file or directory: '[^']*/iter_0000002/mp_rank_01/model_optim_rng\.pt'"
+    )
+    assert re.fullmatch(expected, off["error"]), off["error"]
 
 
 def _assert_mimo_without_the_fix(off):

@@ -1,0 +1,1 @@
+"""legacy-save-writers, the round trips run by the tests and selftest (never by a job)."""

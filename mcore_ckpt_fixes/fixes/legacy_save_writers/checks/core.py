@@ -1,0 +1,81 @@
+"""legacy-save-writers' round trip: ``megatron.training.checkpointing``'s own ``save_checkpoint`` and
+``load_checkpoint`` in the legacy ``torch`` format, on 2 gloo ranks laid out TP=2, EP=1, expert TP=1
+(expert-DP size 2: TP rank 1 has expert-DP rank 1), with the resume check's MoE GPT, DDP, distributed
+optimizer and scheduler (:mod:`mcore_ckpt_fixes.resume.job`, configuration ``moe-tp2-etp1-legacy``,
+and its CPU stand-ins).
+
+Phases: ``save`` (one training step, ``save_checkpoint`` at iteration 1); ``files`` (every rank: each rank's
+``mp_rank_*/model_optim_rng.pt``, as ``get_checkpoint_name`` names it for that rank, is on disk; one
+``AssertionError`` line naming what is missing otherwise); ``load`` (the parameters are overwritten,
+``load_checkpoint`` reads them back); then every parameter is compared with what was saved
+(``max_delta``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ....resume import job
+from ....resume.configs import by_name
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+CONFIG = "moe-tp2-etp1-legacy"
+ITERATION = 1
+
+
+def prepare():
+    """Import in the parent what every rank uses, once."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.training.training  # noqa: F401
+
+
+def _params(model):
+    return {f"model/{n}": p.detach().float().clone() for n, p in model.module.named_parameters()}
+
+
+def _missing(checkpointing, save_dir):
+    """The files some rank's load will ask for that the save did not write (relative paths)."""
+    own = checkpointing.get_checkpoint_name(save_dir, ITERATION)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, own)
+    return sorted({os.path.relpath(n, save_dir) for n in names if not os.path.exists(n)})
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    from megatron.core import parallel_state as mpu
+    from megatron.training import checkpointing
+
+    cfg = by_name(CONFIG)
+    rt = RoundTrip(case="tp2_ep1_etp1", sharding_type="legacy", steps=None)
+    save_dir = os.path.join(ckpt_dir, "legacy")
+    with rt.running(), job.worker(cfg, device) as cpu_gen:
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        args = job._args(cfg, save_dir, 2)  # 2 steps: the scheduler warms up for 1
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
+        rt["layout"] = {"tp": mpu.get_tensor_model_parallel_rank(), "expert_dp": mpu.get_expert_data_parallel_rank()}
+        job._seed(args)
+        model, optimizer, scheduler = job._build(args, cfg)
+        job.train_step(model, optimizer, scheduler, args, cpu_gen)  # an optimizer with state to save
+        saved = _params(model)
+        rt.phase("save")
+        checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
+        rt.phase("files")
+        missing = _missing(checkpointing, save_dir)
+        if missing:
+            raise AssertionError(f"the save wrote no {', '.join(missing)}")
+        rt.phase("load")
+        with torch.no_grad():
+            for p in model.module.parameters():
+                p.fill_(0)
+        iteration, _ = job._load(checkpointing.load_checkpoint, model, optimizer, scheduler)
+        assert iteration == ITERATION, iteration
+        rt.compare(saved, _params(model))
+    return rt.result

@@ -1,0 +1,1 @@
+"""legacy-save-writers, what runs in a job once the probe finds the bug (runtime/core.py)."""

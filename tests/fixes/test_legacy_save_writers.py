@@ -1,0 +1,77 @@
+"""legacy-save-writers: both halves on 0.17.1, one warm world each; not needed on 0.18.2 and 0.19.2,
+not applicable on 0.16.1 (no megatron.training).
+
+World 2 laid out TP=2, EP=1, expert TP=1 (expert-DP size 2: TP rank 1 has expert-DP rank 1), gloo on
+CPU, the resume check's MoE GPT (mcore_ckpt_fixes/resume/job.py, configuration moe-tp2-etp1-legacy,
+with its CPU stand-ins), saved and loaded by megatron.training's own save_checkpoint /
+load_checkpoint in the legacy torch format. See mcore_ckpt_fixes/fixes/legacy_save_writers/checks/core.py.
+"""
+
+import threading
+import types
+
+import pytest
+from fix_worlds import both_halves
+
+from mcore_ckpt_fixes.fixes.legacy_save_writers import FIX
+from mcore_ckpt_fixes.fixes.legacy_save_writers.checks import scenarios as sc
+from mcore_ckpt_fixes.testing import for_fix
+
+CORE = "mcore_ckpt_fixes.fixes.legacy_save_writers.checks.core"
+MODULE = "megatron.training.checkpointing"
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, mcore_version):
+    return both_halves(
+        FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_LEGACY_SAVE_WRITERS": "off"}, tmp_path_factory, mcore_version
+    )
+
+
+def test_registry():
+    (s,) = for_fix(FIX.id)
+    assert (s.name, s.func, s.nproc) == ("tp2_ep1_etp1", f"{CORE}:round_trip", 2)
+    assert s.bug[">=0.17.0,<0.18.0"] is sc.UNWRITTEN
+
+
+def test_unpatched_never_writes_tp_rank_1s_file(worlds, mcore_version):
+    layouts = [r["layout"] for r in worlds[False]]
+    assert layouts == [{"tp": 0, "expert_dp": 0}, {"tp": 1, "expert_dp": 1}], layouts
+    for rank, r in enumerate(worlds[False]):
+        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
+        assert (r["phase"], r["error"]) == (sc.UNWRITTEN.phase, sc.UNWRITTEN.error), (rank, r.get("traceback"))
+    assert sc.SCENARIOS[0].bug_for(mcore_version).seen_in(worlds[False])
+
+
+def test_patched_every_file_written_and_loaded_exactly(worlds):
+    for rank, r in enumerate(worlds[True]):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        assert r["max_delta"] and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
+
+
+def test_probe(mcore_version):
+    if mcore_version.release[:2] < (0, 17):
+        pytest.skip("megatron.training ships in the wheel from 0.17")
+    import megatron.training.checkpointing as m
+
+    from mcore_ckpt_fixes.fixes.legacy_save_writers.runtime import core
+
+    verdict, why = core.probe(m)
+    assert verdict is (mcore_version in FIX.specifiers), why
+
+
+def test_the_view_answers_only_in_the_saving_thread_and_is_removed():
+    from mcore_ckpt_fixes.fixes.legacy_save_writers.runtime import core
+
+    real = types.SimpleNamespace(get_expert_data_parallel_rank=lambda: 0, get_data_parallel_rank=lambda: 0)
+    module = types.SimpleNamespace(mpu=real)
+    seen = {}
+    with core._elected(module, writer=False):
+        seen["saving"] = module.mpu.get_expert_data_parallel_rank()
+        seen["other"] = module.mpu.get_data_parallel_rank()
+        t = threading.Thread(target=lambda: seen.update(thread=module.mpu.get_expert_data_parallel_rank()))
+        t.start()
+        t.join()
+    assert seen == {"saving": 1, "other": 0, "thread": 0}, seen
+    assert module.mpu is real
