@@ -35,10 +35,12 @@ MAX_LINES = 4  # lines of one reason in the text output
 
 
 def _wrapped(reason: str, indent: int) -> list:
-    """``reason`` in lines that fit WIDTH after ``indent`` columns, at most MAX_LINES of them."""
+    """``reason`` in lines that fit WIDTH after ``indent`` columns, at most MAX_LINES of them. Words
+    stay whole (a dotted module path or a fix id longer than the column overruns it rather than
+    being cut mid-name, which a reader cannot search for)."""
     import textwrap
 
-    lines = textwrap.wrap(reason, max(40, WIDTH - indent), break_on_hyphens=False) or [""]
+    lines = textwrap.wrap(reason, max(40, WIDTH - indent), break_on_hyphens=False, break_long_words=False) or [""]
     if len(lines) > MAX_LINES:
         more = " [... whole: --json]"
         lines = lines[:MAX_LINES]

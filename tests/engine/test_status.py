@@ -74,3 +74,16 @@ def test_checkout_on_pythonpath_is_reported_as_checkout(tmp_path, mcore_version)
     rows = json.loads(proc.stdout)
     assert rows[0]["megatron_source"] == "checkout", rows[0]
     assert rows[0]["megatron_path"] == str(tmp_path / "megatron")
+
+
+def test_text_output_never_cuts_a_name():
+    """A reason's dotted names stay whole in the text output's column, even when longer than it."""
+    from mcore_ckpt_fixes.cli.status import WIDTH, _wrapped
+
+    name = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict"
+    reason = f"the probe found {name} restoring a stale step for every parameter of the group"
+    indent = 2 + len("chained-optim-main-params-split") + 2 + 14 + 2
+    assert WIDTH - indent < len(name)  # the column is narrower than the name
+    lines = _wrapped(reason, indent)
+    assert name in lines
+    assert " ".join(lines) == reason
