@@ -110,12 +110,15 @@ def local_state(model, opt):
 
 
 @contextlib.contextmanager
-def world():
+def world(**parallel):
+    """Megatron's process groups (``parallel``: initialize_model_parallel's sizes; none: one
+    data-parallel group of every rank) and, on a CPU host, its CUDA calls on the CPU; the groups
+    are destroyed after, whatever happened."""
     from megatron.core import parallel_state as mpu
 
     from .cpu_shims import cuda_to_cpu_mode
 
-    mpu.initialize_model_parallel()
+    mpu.initialize_model_parallel(**parallel)
     try:
         with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
             yield

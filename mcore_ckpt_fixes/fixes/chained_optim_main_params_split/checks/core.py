@@ -20,7 +20,6 @@ weights to the optimizer's main parameters is the whole promise here, so it is t
 
 from __future__ import annotations
 
-import contextlib
 import os
 import zlib
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ....testing.dist_optimizer import world
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -60,23 +60,12 @@ def _values(seed, name, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-@contextlib.contextmanager
 def _parallel(case: Case):
-    from megatron.core import parallel_state as mpu
-
-    from ....testing.cpu_shims import cuda_to_cpu_mode
-
-    mpu.initialize_model_parallel(
+    return world(
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.chunks if case.chunks > 1 else None,
         expert_model_parallel_size=case.ep,
     )
-    try:
-        with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
-            yield
-    finally:
-        with contextlib.suppress(Exception):
-            mpu.destroy_model_parallel()
 
 
 def _chunks(case: Case, seed, bf16):
