@@ -21,4 +21,5 @@ ORDER = (
     "chained-optim-main-params-split",
     "rerun-state-constant-structure",
     "legacy-save-writers",
+    "rerun-transient-checkpoint",
 )

@@ -79,15 +79,14 @@ def _training():
 
 
 @contextlib.contextmanager
-def _machine():
-    """A fresh process-wide machine in VALIDATE_RESULTS mode, injecting a persistent error."""
+def _machine(error="PERSISTENT_ERROR"):
+    """A fresh process-wide machine in VALIDATE_RESULTS mode, injecting an error of the
+    ``RerunDiagnostic`` named ``error`` into every validated result from the second step on."""
     from megatron.core import rerun_state_machine as rsm
 
     rsm.initialize_rerun_state_machine(
         mode=rsm.RerunMode.VALIDATE_RESULTS,
-        error_injector=rsm.RerunErrorInjector(
-            error_injection_rate=1, error_injection_type=rsm.RerunDiagnostic.PERSISTENT_ERROR
-        ),
+        error_injector=rsm.RerunErrorInjector(error_injection_rate=1, error_injection_type=rsm.RerunDiagnostic[error]),
     )
     try:
         yield rsm.get_rerun_state_machine(), rsm.RerunDataIterator(iter(range(1000)))

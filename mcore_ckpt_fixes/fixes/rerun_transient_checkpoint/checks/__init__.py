@@ -1,0 +1,1 @@
+"""rerun-transient-checkpoint's round trips (test and selftest processes only)."""

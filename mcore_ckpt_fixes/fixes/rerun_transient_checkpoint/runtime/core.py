@@ -1,0 +1,115 @@
+"""rerun-transient-checkpoint's monkeypatch on ``megatron.core.rerun_state_machine``:
+``RerunStateMachine.should_checkpoint_and_exit`` and ``load_state_dict`` wrapped, the probe and
+apply. Why: the package's docstring. Imported only when the target module is.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+import warnings
+
+from ....engine.patching import Patcher, is_replacement, mark, original
+from .. import ID, MODULE
+
+CLASS = "RerunStateMachine"
+
+# Shared with diff/core.py: the source diff warns with the same words.
+IGNORED = (
+    "RerunStateMachine state RERUNNING_IN_PLACE in the checkpoint (saved at a transient fault by an "
+    "unfixed release) ignored: the in-place rerun's RNG snapshot is never checkpointed, so training "
+    "resumes from this checkpoint as from a regular one"
+)
+
+
+@mark(ID)
+def should_checkpoint_and_exit(self):
+    """``RerunStateMachine.should_checkpoint_and_exit`` that, where the release asks for a checkpoint
+    at a transient fault, first puts the machine back to ``NOT_RUNNING_YET``: the checkpoint then
+    holds a state every release resumes from."""
+    module = sys.modules[MODULE]
+    out = original(getattr(module, CLASS), "should_checkpoint_and_exit")(self)
+    if out[0] and self.state == module.RerunState.RERUNNING_IN_PLACE:
+        # The in-place rerun is over (the fault was transient and no rerun from a checkpoint is
+        # asked for), and the step's RNG snapshot that state needs is never saved: a resumed machine
+        # in RERUNNING_IN_PLACE restores None. The step is simply run again after the resume.
+        self.state = module.RerunState.NOT_RUNNING_YET
+    return out
+
+
+def saved_state(entry):
+    """The machine state a checkpoint's ``rerun_state_machine`` entry holds: in its common part
+    (0.14+), or in its sharded part (0.12, 0.13); None where there is none."""
+    if not isinstance(entry, dict):
+        return None
+    if "state" in entry:
+        return entry["state"]
+    sharded = entry.get("sharded")
+    return sharded.get("state") if isinstance(sharded, dict) else None
+
+
+@mark(ID)
+def load_state_dict(self, state_dict):
+    """``RerunStateMachine.load_state_dict`` that ignores, with a warning, a ``RERUNNING_IN_PLACE``
+    state an unfixed release saved at a transient fault (the machine stays as the job configured
+    it, as for a regular checkpoint); any other entry goes to the release's method."""
+    module = sys.modules[MODULE]
+    if self.mode != module.RerunMode.DISABLED and saved_state(state_dict) == module.RerunState.RERUNNING_IN_PLACE:
+        from ....engine.errors import MegatronPatchWarning
+
+        warnings.warn(f"mcore_ckpt_fixes: {ID}: {IGNORED}", MegatronPatchWarning, stacklevel=2)
+        return None
+    return original(getattr(module, CLASS), "load_state_dict")(self, state_dict)
+
+
+# -- probe: the release's own should_checkpoint_and_exit on an inert stand-in ----------------------
+
+
+class _StandIn:
+    """A machine with only the attributes ``should_checkpoint_and_exit`` reads and sets."""
+
+
+def _silenced(fn):
+    """``fn`` with its module's ``logger`` replaced by a disabled one: the probe runs in a user's job,
+    which must not log "Exiting now" at import."""
+    silent = logging.Logger(f"{__name__}.probe")
+    silent.disabled = True
+    scope = dict(fn.__globals__, logger=silent)
+    return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def transient_fault_exit(module):
+    """What the release's ``should_checkpoint_and_exit`` does for a validating machine whose
+    in-place rerun found a transient fault: ``"saves-rerunning"`` (asks for a checkpoint and leaves
+    the state ``RERUNNING_IN_PLACE``: the bug), ``"resumable"`` (no checkpoint, or one in another
+    state), or None when the module has no such machine."""
+    cls = module.__dict__.get(CLASS)
+    fn = getattr(cls, "__dict__", {}).get("should_checkpoint_and_exit")
+    mode, state = getattr(module, "RerunMode", None), getattr(module, "RerunState", None)
+    if fn is None or mode is None or not hasattr(state, "RERUNNING_IN_PLACE"):
+        return None
+    if is_replacement(fn):
+        fn = original(cls, "should_checkpoint_and_exit")
+    machine = _StandIn()
+    machine.mode, machine.state = mode.VALIDATE_RESULTS, state.RERUNNING_IN_PLACE
+    checkpoint = _silenced(fn)(machine)[0]
+    return "saves-rerunning" if checkpoint and machine.state == state.RERUNNING_IN_PLACE else "resumable"
+
+
+def probe(module: types.ModuleType):
+    behaviour = transient_fault_exit(module)
+    if behaviour is None:
+        return None, f"{MODULE} has no {CLASS}.should_checkpoint_and_exit"
+    if behaviour == "saves-rerunning":
+        return True, (
+            "RerunStateMachine saves a checkpoint in state RERUNNING_IN_PLACE at a transient fault: "
+            "a job resumed from it crashes in _restore_state"
+        )
+    return False, "RerunStateMachine saves no RERUNNING_IN_PLACE state at a transient fault"
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    cls = getattr(module, CLASS)
+    patcher.replace(cls, "should_checkpoint_and_exit", should_checkpoint_and_exit)
+    patcher.replace(cls, "load_state_dict", load_state_dict)
