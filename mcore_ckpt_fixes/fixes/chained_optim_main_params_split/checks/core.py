@@ -43,6 +43,14 @@ class Case:
     ep: int = 1
     pp: int = 1
     chunks: int = 1  # model chunks per rank (virtual pipeline stages)
+    num_experts: int = NUM_EXPERTS
+    layer_spec: object = None  # num_experts -> the layer's ModuleSpec; None: the local spec's
+
+
+def _local_spec(num_experts):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
 
 
 CASES = {"one_chunk": Case(ep=2), "two_chunks": Case(ep=2, pp=2, chunks=2)}
@@ -72,7 +80,6 @@ def _chunks(case: Case, seed, bf16):
     """This rank's GPT chunks (one layer each, MoE), parameters drawn from ``seed`` by name."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
@@ -85,12 +92,12 @@ def _chunks(case: Case, seed, bf16):
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.chunks if case.chunks > 1 else None,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        num_moe_experts=NUM_EXPERTS,
+        num_moe_experts=case.num_experts,
         expert_model_parallel_size=case.ep,
         moe_token_dispatcher_type="allgather",
         add_bias_linear=False,  # 0.14 builds no MoE layer with biases
     )
-    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    spec = (case.layer_spec or _local_spec)(case.num_experts)
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     out = []
     for vp in range(case.chunks):
@@ -161,12 +168,13 @@ def _main_params(model, opt, state):
     return expected, got
 
 
-def run_case(name, ckpt_dir, patched, cache=None):
-    case = CASES[name]
+def run_case(name, ckpt_dir, patched, cache=None, case=None, fix=(ID, MODULE)):
+    """One case (``CASES[name]``, or ``case``), under ``fix`` = (fix id, its target module) on or off."""
+    case = case or CASES[name]
     rt = RoundTrip(case=name, sub_optimizers=None, bf16_rounded=[])
     with rt.running(), _parallel(case):
         rt.phase("precondition")
-        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt["fix_state"] = fix_states(fix[0], (fix[1],), patched)
         rt.phase("save")
         state = _checkpoint(case, ckpt_dir, name)
         model, opt = _target(case)
