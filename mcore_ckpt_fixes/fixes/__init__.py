@@ -22,4 +22,5 @@ ORDER = (
     "rerun-state-constant-structure",
     "legacy-save-writers",
     "rerun-transient-checkpoint",
+    "load-main-params-substring-match",
 )
