@@ -39,6 +39,26 @@ from .. import ID, MODULE
 TRANSIENT = "TRANSIENT_ERROR"
 
 
+def exit_asks_for_checkpoint():
+    """None where this release's ``should_checkpoint_and_exit`` asks for a checkpoint at a transient
+    fault (what the round trip saves and resumes, fixed or not), else why the scenario does not apply:
+    from 0.18.0 that exit writes no checkpoint, and a job resumes from an earlier one."""
+    import megatron.core.rerun_state_machine as module
+
+    from ....engine.patching import is_replacement, original
+    from ..runtime.core import _silenced, _StandIn
+
+    cls = module.RerunStateMachine
+    fn = cls.__dict__["should_checkpoint_and_exit"]
+    if is_replacement(fn):
+        fn = original(cls, "should_checkpoint_and_exit")
+    machine = _StandIn()
+    machine.mode, machine.state = module.RerunMode.VALIDATE_RESULTS, module.RerunState.RERUNNING_IN_PLACE
+    if _silenced(fn)(machine)[0]:
+        return None
+    return "this release asks for no checkpoint at a transient fault: the job resumes from an earlier one"
+
+
 def prepare() -> None:
     """In the parent of a forked world: the modules the ranks use."""
     machine_checks.prepare()

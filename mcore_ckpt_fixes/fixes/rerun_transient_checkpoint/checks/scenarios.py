@@ -22,6 +22,7 @@ SCENARIOS = (
         2,
         CRASH,
         prepare=f"{_CORE}:prepare",
+        applicable=f"{_CORE}:exit_asks_for_checkpoint",
         devices=("cpu",),
         doc="rerun state machine (VALIDATE_RESULTS) at a transient fault: the checkpoint it asks for "
         "saved, resumed in a new machine, next step run",
