@@ -45,16 +45,9 @@ def exit_asks_for_checkpoint():
     from 0.18.0 that exit writes no checkpoint, and a job resumes from an earlier one."""
     import megatron.core.rerun_state_machine as module
 
-    from ....engine.patching import is_replacement, original
-    from ..runtime.core import _silenced, _StandIn
+    from ..runtime.core import release_exit_at_transient_fault
 
-    cls = module.RerunStateMachine
-    fn = cls.__dict__["should_checkpoint_and_exit"]
-    if is_replacement(fn):
-        fn = original(cls, "should_checkpoint_and_exit")
-    machine = _StandIn()
-    machine.mode, machine.state = module.RerunMode.VALIDATE_RESULTS, module.RerunState.RERUNNING_IN_PLACE
-    if _silenced(fn)(machine)[0]:
+    if release_exit_at_transient_fault(module)[0]:
         return None
     return "this release asks for no checkpoint at a transient fault: the job resumes from an earlier one"
 

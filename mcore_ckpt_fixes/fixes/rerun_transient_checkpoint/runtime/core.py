@@ -79,11 +79,10 @@ def _silenced(fn):
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def transient_fault_exit(module):
-    """What the release's ``should_checkpoint_and_exit`` does for a validating machine whose
-    in-place rerun found a transient fault: ``"saves-rerunning"`` (asks for a checkpoint and leaves
-    the state ``RERUNNING_IN_PLACE``: the bug), ``"resumable"`` (no checkpoint, or one in another
-    state), or None when the module has no such machine."""
+def release_exit_at_transient_fault(module):
+    """The release's own ``should_checkpoint_and_exit`` on a stand-in machine that validates results
+    and found a transient fault in its in-place rerun: (whether it asks for a checkpoint, the state
+    it leaves), or None when the module has no such machine."""
     cls = module.__dict__.get(CLASS)
     fn = getattr(cls, "__dict__", {}).get("should_checkpoint_and_exit")
     mode, state = getattr(module, "RerunMode", None), getattr(module, "RerunState", None)
@@ -93,8 +92,18 @@ def transient_fault_exit(module):
         fn = original(cls, "should_checkpoint_and_exit")
     machine = _StandIn()
     machine.mode, machine.state = mode.VALIDATE_RESULTS, state.RERUNNING_IN_PLACE
-    checkpoint = _silenced(fn)(machine)[0]
-    return "saves-rerunning" if checkpoint and machine.state == state.RERUNNING_IN_PLACE else "resumable"
+    return _silenced(fn)(machine)[0], machine.state
+
+
+def transient_fault_exit(module):
+    """What the release does at that exit: ``"saves-rerunning"`` (asks for a checkpoint and leaves
+    the state ``RERUNNING_IN_PLACE``: the bug), ``"resumable"`` (no checkpoint, or one in another
+    state), or None when the module has no such machine."""
+    seen = release_exit_at_transient_fault(module)
+    if seen is None:
+        return None
+    checkpoint, left = seen
+    return "saves-rerunning" if checkpoint and left == module.RerunState.RERUNNING_IN_PLACE else "resumable"
 
 
 def probe(module: types.ModuleType):
