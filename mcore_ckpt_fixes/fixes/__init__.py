@@ -23,4 +23,5 @@ ORDER = (
     "legacy-save-writers",
     "rerun-transient-checkpoint",
     "load-main-params-substring-match",
+    "numpy2-product",
 )
