@@ -11,10 +11,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.fixes import ORDER
 from mcore_ckpt_fixes.testing import for_fix, resolve
+
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
 
 GPU_ROUND_TRIPS = "tests/gpu/test_cuda_round_trips.py::test_cuda_round_trip"
 SELFTEST_CUDA = "tests/cli/test_selftest.py::test_selftest_cuda"

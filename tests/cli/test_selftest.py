@@ -1,6 +1,7 @@
 """``python -m mcore_ckpt_fixes selftest`` on this environment's release, as a user runs it.
 
-One full run (``--json``: every scenario, fix off and on, about two minutes), two runs that skip every scenario (no world is started, so they cost
+One full run (``--json``: every scenario, fix off and on, about two minutes; the whole matrix runs it
+on one line, ``one_line``), two runs that skip every scenario (no world is started, so they cost
 only the Megatron import), bad usage, and the judgement the selftest applies to a world's results. The CUDA path is marked ``gpu`` (deselected by default).
 """
 
@@ -33,6 +34,7 @@ def _check_unimplemented(rows, mcore_version):
             assert row["needed"] is None and row["in_affected_range"] == (mcore_version in fixes[fix_id].specifiers)
 
 
+@pytest.mark.one_line  # its round trips are the fix tests' scenarios, which every line runs
 def test_selftest_json_on_this_release(mcore_version):
     proc, rows = _json_run([])
     _check_unimplemented(rows, mcore_version)

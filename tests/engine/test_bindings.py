@@ -3,7 +3,11 @@ while only the modules that can hold it are looked at (a fresh interpreter per c
 
 import textwrap
 
+import pytest
+
 from conftest import check_py
+
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
 
 # ``defs`` defines f, then imports ``child``, which binds it (a circular import: child finishes
 # first, so it sits before defs in sys.modules); ``chain`` is imported first and imports ``defs``

@@ -8,6 +8,8 @@ from conftest import run_cli, run_py
 from mcore_ckpt_fixes.engine.errors import FlagError
 from mcore_ckpt_fixes.engine.flags import env_var_for, parse
 
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
+
 IDS = ["tp-group", "gdn-fsdp-split"]
 
 

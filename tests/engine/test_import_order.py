@@ -6,7 +6,11 @@ Two fixes are exercised on real Megatron-Core modules:
 * ``tp-group`` where the release has the bug (0.16-0.18): its constructor wrapper must take hold.
 """
 
+import pytest
+
 from conftest import check_py
+
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
 
 # dtensor-placement replaces the same helper as engine-probe, and a second fix never stacks a layer
 # on another fix's replacement: switch it off where engine-probe's own behaviour is under test.

@@ -6,6 +6,8 @@ import pytest
 
 from mcore_ckpt_fixes.testing.launcher import WorldError, run_world, values
 
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
+
 
 def test_results_from_every_rank_and_env_applied():
     res = values(run_world("world_scenarios:allreduce_rank", 2, env={"MCORE_CKPT_FIXES": "off"}, timeout=60))

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import check_py
 
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
+
 
 def _site(tmp_path, version):
     site = tmp_path / f"site-{version}"

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):

@@ -5,7 +5,11 @@ fresh interpreter)."""
 
 import textwrap
 
+import pytest
+
 from conftest import check_py
+
+pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools/test.sh)
 
 MODULES = {
     "target.py": "import math as np\n",

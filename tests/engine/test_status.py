@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import run_cli
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.fixes import ORDER
@@ -42,6 +44,7 @@ def test_forced_on_outside_range_defers_to_probe(mcore_version):
         assert tp["state"] == "not-needed" and "probe:" in tp["reason"], tp
 
 
+@pytest.mark.one_line
 def test_disabled_flag_and_text_output():
     rows = _status({"MCORE_CKPT_FIX_TP_GROUP": "off"})
     assert rows["tp-group"]["state"] == "disabled"
@@ -76,6 +79,7 @@ def test_checkout_on_pythonpath_is_reported_as_checkout(tmp_path, mcore_version)
     assert rows[0]["megatron_path"] == str(tmp_path / "megatron")
 
 
+@pytest.mark.one_line
 def test_text_output_never_cuts_a_name():
     """A reason's dotted names stay whole in the text output's column, even when longer than it."""
     from mcore_ckpt_fixes.cli.status import WIDTH, _wrapped
