@@ -23,4 +23,5 @@ ORDER = (
     "legacy-save-writers",
     "rerun-transient-checkpoint",
     "load-main-params-substring-match",
+    "fsdp2-swiglu-split",
 )
