@@ -44,9 +44,12 @@ def prepare() -> None:
     import torch.distributed.fsdp  # noqa: F401
 
     import megatron.core.dist_checkpointing  # noqa: F401
+
+    # The writer's results queue is then made with a forked manager in each rank (testing/worker.py),
+    # not a spawned interpreter per saving rank (5-10 s a world).
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.distributed.torch_fully_sharded_data_parallel  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
     import megatron.core.transformer.mlp  # noqa: F401
 
 
