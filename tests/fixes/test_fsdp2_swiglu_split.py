@@ -61,7 +61,7 @@ def _mesh(rank, size):
     return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=rank)
 
 
-def _release_factory(mlp, sh):
+def _release_factory(mlp, sh, sharded_offsets=()):
     """The release's ``apply_swiglu_sharded_factory`` (0.12-0.15 take no singleton argument)."""
     import inspect
 
@@ -69,13 +69,14 @@ def _release_factory(mlp, sh):
 
     fn = original(mlp, "apply_swiglu_sharded_factory")
     if "singleton_local_shards" in inspect.signature(fn).parameters:
-        return fn(sh, (), False)
-    return fn(sh, ())
+        return fn(sh, sharded_offsets, False)
+    return fn(sh, sharded_offsets)
 
 
-def _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, bias):
+def _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, expert):
     """What MLP.sharded_state_dict gives this (tp, dp) rank under FSDP2, fixed: the DTensor shard
-    of its TP-local [W; V], described as the release's helper describes it."""
+    of its TP-local [W; V], described as the release's helper describes it (``expert``: the
+    expert axis SequentialMLP prepends, expert 1 of 2)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.tensor import DTensor, Shard
 
@@ -85,13 +86,22 @@ def _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, bias):
     rows = full_local.shape[0] // dp
     local = full_local[dp_rank * rows : (dp_rank + 1) * rows]
     param = DTensor.from_local(local, _mesh(dp_rank, dp), [Shard(0)], run_check=False)
-    sh = ShardedTensor.from_rank_offsets("fc1", local, (0, tp_rank * dp + dp_rank, tp * dp), replica_id=(0, 0, 0))
-    return core._swiglu_factory_for_dtensor_shard(_release_factory(mlp, sh), param), local
+    prepend = ((0, 1, 2),) if expert else ()
+    sh = ShardedTensor.from_rank_offsets(
+        "fc1",
+        local,
+        *prepend,
+        (len(prepend), tp_rank * dp + dp_rank, tp * dp),
+        replica_id=(0, 0, 0),
+        prepend_axis_num=len(prepend),
+    )
+    return core._swiglu_factory_for_dtensor_shard(_release_factory(mlp, sh, prepend), param), local
 
 
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("expert", [False, True], ids=["dense", "expert-axis"])
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
 @pytest.mark.parametrize("tp,dp", [(1, 2), (1, 3), (1, 4), (1, 6), (2, 2), (2, 3), (4, 2)])
-def test_every_rank_writes_its_rows_where_they_belong(mcore_version, tp, dp, bias):
+def test_every_rank_writes_its_rows_where_they_belong(mcore_version, tp, dp, bias, expert):
     """TP x DP ranks, each holding 1/dp of its TP-local [W_tp; V_tp] (24 rows): the pieces of all
     ranks tile the global [W; V] exactly once, with one global shape and grid, and hold its rows;
     the release's merge of this rank's pieces gives its shard back."""
@@ -107,11 +117,13 @@ def test_every_rank_writes_its_rows_where_they_belong(mcore_version, tp, dp, bia
     for tp_rank in range(tp):
         full_local = torch.cat([w[tp_rank * half : (tp_rank + 1) * half], v[tp_rank * half : (tp_rank + 1) * half]])
         for dp_rank in range(dp):
-            factory, local = _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, bias)
+            factory, local = _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, expert)
             pieces = factory.build_fn(factory.key, factory.data, factory.replica_id, None)
             for sh in pieces:
-                grids.add((tuple(sh.global_shape), sh.axis_fragmentations, sh.key))
-                at = sh.global_offset[0]
+                grids.add((tuple(sh.global_shape), sh.axis_fragmentations, sh.key, sh.prepend_axis_num))
+                if expert:  # expert 1 of 2, kept in front
+                    assert (sh.prepend_axis_num, sh.global_offset[0], sh.global_shape[0]) == (1, 1, 2), sh
+                at = sh.global_offset[sh.prepend_axis_num]
                 assembled[at : at + sh.local_shape[0]] = sh.data
                 covered[at : at + sh.local_shape[0]] += 1
             assert torch.equal(factory.merge_fn([sh.data for sh in pieces]), local), (tp_rank, dp_rank)

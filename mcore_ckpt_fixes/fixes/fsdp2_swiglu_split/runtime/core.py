@@ -66,11 +66,11 @@ def _swiglu_tp_position(factory, total_rows, first_row):
     if len(built) != 2 or built[0].key != factory.key or built[1].key != factory.key:
         return None  # singleton_local_shards (separate W and V keys): the release's
     w = built[0]
-    axis = w.prepend_axis_num
+    axis = w.prepend_axis_num  # global offsets and fragments count the prepended axes, local_shape not
     frags = w.axis_fragmentations
-    if frags is None or any(f != 1 for f in frags[axis + 1 :]) or w.local_shape[axis] == 0:
+    if frags is None or any(f != 1 for f in frags[axis + 1 :]) or w.local_shape[0] == 0:
         return None
-    shard_index = w.global_offset[axis] // w.local_shape[axis]
+    shard_index = w.global_offset[axis] // w.local_shape[0]
     offset, global_rows = shard_index * local_rows, frags[axis] // 2 * local_rows
     if global_rows % total_rows or offset % total_rows != first_row:
         return None
