@@ -21,7 +21,7 @@ MODULE = "megatron.core.transformer.mlp"
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     return both_halves(
-        FIX, f"{CORE}:fsdp2_mlp", {"MCORE_CKPT_FIX_FSDP2_SWIGLU_SPLIT": "off"}, tmp_path_factory, mcore_version
+        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_FSDP2_SWIGLU_SPLIT": "off"}, tmp_path_factory, mcore_version
     )
 
 
@@ -34,21 +34,38 @@ def test_registry():
 def test_unpatched_own_layout_exact_unsharded_w_and_v_rows_swapped(worlds, mcore_version):
     """Resuming in the same layout hides it; any other reader gets W's second half and V's first
     half swapped, in the weight, the bias and both moments."""
-    results = worlds[False]
+    results = [w["fsdp2_mlp"] for w in worlds[False]]
     for rank, r in enumerate(results):
         assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
         assert (r["phase"], r["error"]) == (sc.SCRAMBLED.phase, sc.SCRAMBLED.error), (rank, r.get("traceback"))
         own = {k: d for k, d in r["max_delta"].items() if not k.startswith("unsharded/")}
         assert len(own) == 12 and set(own.values()) == {0.0}, (rank, own)
         assert r["max_delta"]["unsharded/linear_fc2.weight"] == 0.0, rank  # only the SwiGLU factory
+        assert r["warnings"] == [], rank
     assert for_fix(FIX.id)[0].bug_for(mcore_version).seen_in(results)
 
 
 def test_patched_exact_in_place_and_unsharded_on_every_rank(worlds):
-    for rank, r in enumerate(worlds[True]):
+    for rank, r in enumerate(w["fsdp2_mlp"] for w in worlds[True]):
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
         assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
         assert r["n_tensors"] == 24 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        assert r["warnings"] == [], rank  # its own marks: read in place, silently
+
+
+def test_patched_reads_a_checkpoint_the_release_wrote_as_written_with_a_warning(worlds):
+    """A checkpoint written without the fix (W and V rows split per shard, no marks) still resumes
+    exactly in the layout that wrote it, and each rank says which tensors it read that way."""
+    keys = sorted(
+        f"{p}linear_fc1.{n}"
+        for p in ("", "optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+        for n in ("bias", "weight")
+    )
+    for rank, r in enumerate(w["old_checkpoint"] for w in worlds[True]):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["n_tensors"] == 12 and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
+        (warning,) = r["warnings"]
+        assert warning.startswith(f"the SwiGLU linear_fc1 tensors {keys} of this FSDP2 checkpoint"), warning
 
 
 # -- every rank's pieces, without a world ----------------------------------------------------------

@@ -182,13 +182,14 @@ def fsdp2_mlp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
     assert device == "cpu" and world_size == 2, "fsdp2-swiglu-split's round trip: 2 gloo ranks"
     from megatron.core import dist_checkpointing, parallel_state
 
-    rt = RoundTrip()
+    rt = RoundTrip(warnings=[])
     with rt.running():
         rt.phase("precondition")
         import megatron.core.transformer.mlp  # noqa: F401  (the target decided)
 
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
-        parallel_state.initialize_model_parallel()
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
         config = _config()
         plain = _mlp(config, SAVE_SEED)
         full = _tensors(plain, _moments(plain))
@@ -200,7 +201,10 @@ def fsdp2_mlp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
         dist.barrier()
         rt.phase("load")
         fresh = _wrapped(config, FRESH_SEED)
-        got = _loaded(fresh.module, dist_checkpointing.load(_sharded(fresh.module, _moments(fresh.module)), ckpt_dir))
+        with _swiglu_warnings(rt):
+            got = _loaded(
+                fresh.module, dist_checkpointing.load(_sharded(fresh.module, _moments(fresh.module)), ckpt_dir)
+            )
         assert not rt.compare(before, got), f"tensors differ after load: {rt.differing()}"
         rt.phase("load_unsharded")
         plain = _mlp(config, FRESH_SEED)
@@ -216,3 +220,76 @@ def fsdp2_mlp(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
                 f"{w} holds saved rows {saved_rows(full[w], got[w])}"
             )
     return rt.result
+
+
+def old_checkpoint(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """With the fix on: a checkpoint the release writes (its own ``MLP.sharded_state_dict``, W and V
+    rows split per shard) loads back exactly in the same FSDP2 layout, with one warning naming the
+    tensors; the tests' world only (with the fix off it is the plain same-layout round trip)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.transformer.mlp import MLP
+
+    from ..runtime.core import _release_method
+
+    rt = RoundTrip(warnings=[])
+    with rt.running():
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
+        config = _config()
+        rt.phase("save")
+        model = _wrapped(config, SAVE_SEED)
+        moments = _moments(model.module)
+        before = _tensors(model.module, moments)
+        release = _release_method(MLP)
+        with _mlp_method(release):
+            dist_checkpointing.save(_sharded(model.module, moments), ckpt_dir)
+        dist.barrier()
+        rt.phase("load")
+        fresh = _wrapped(config, FRESH_SEED)
+        with _swiglu_warnings(rt):
+            got = _loaded(
+                fresh.module, dist_checkpointing.load(_sharded(fresh.module, _moments(fresh.module)), ckpt_dir)
+            )
+        assert not rt.compare(before, got), f"tensors differ after load: {rt.differing()}"
+    return rt.result
+
+
+@contextlib.contextmanager
+def _swiglu_warnings(rt):
+    """Record the SwiGLU layout warnings a load gives (``rt["warnings"]``, the text after the
+    checkpoint path)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    rt["warnings"] = [str(w.message).split(": ", 1)[1] for w in caught if "SwiGLU linear_fc1" in str(w.message)]
+
+
+@contextlib.contextmanager
+def _mlp_method(method):
+    """``MLP.sharded_state_dict`` is ``method`` for the duration (the release's: a checkpoint as an
+    unfixed job writes it)."""
+    from megatron.core.transformer.mlp import MLP
+
+    saved = MLP.__dict__["sharded_state_dict"]
+    MLP.sharded_state_dict = method
+    try:
+        yield
+    finally:
+        MLP.sharded_state_dict = saved
+
+
+def cases(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: str = "cpu") -> dict:
+    """The tests' world: the scenario, then (fix on) a checkpoint the release wrote."""
+    import os
+
+    dirs = {name: os.path.join(ckpt_dir, name) for name in ("in_place", "old")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+    out = {"fsdp2_mlp": fsdp2_mlp(rank, world_size, dirs["in_place"], patched, device)}
+    if patched:
+        out["old_checkpoint"] = old_checkpoint(rank, world_size, dirs["old"], patched, device)
+    return out

@@ -78,10 +78,11 @@ def _swiglu_tp_position(factory, total_rows, first_row):
     return prepend, offset // total_rows, global_rows // total_rows
 
 
-def _swiglu_dtensor_shard_build_fn(layout, key, t, replica_id, flattened_range):
+def _swiglu_dtensor_shard_build_fn(layout, key, t, replica_id, flattened_range, release=None):
     """A DP shard of a TP-local [W; V] tensor as pieces of ``rows`` rows, each in its place in
     the global [W; V] (W of every TP rank, then V of every TP rank). The release's merge (a
-    concatenation along rows, in this order) gives the shard back."""
+    concatenation along rows, in this order) gives the shard back. ``release``: the build
+    function this one replaces, kept to read checkpoints that were written with it."""
     prepend, tp_rank, tp_size, half, first_row, rows = layout
     assert flattened_range is None, "a flattened range of an FSDP2 SwiGLU shard"
     axis, fragments = len(prepend), 2 * tp_size * half // rows
@@ -129,7 +130,8 @@ def _swiglu_factory_for_dtensor_shard(factory, param):
     # the W/V boundary fall on it, so no piece spans W and V.
     rows = math.gcd(shard_rows, half)
     layout = (prepend, tp_rank, tp_size, half, first_row, rows)
-    return dataclasses.replace(factory, build_fn=functools.partial(_swiglu_dtensor_shard_build_fn, layout))
+    build_fn = functools.partial(_swiglu_dtensor_shard_build_fn, layout, release=factory.build_fn)
+    return dataclasses.replace(factory, build_fn=build_fn)
 
 
 # -- end of replacement ---
@@ -267,5 +269,8 @@ def probe(module: types.ModuleType):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    from . import layout
+
     _bind_mapping()
     patcher.replace(module.MLP, "sharded_state_dict", mlp_sharded_state_dict)
+    layout.apply(patcher)
