@@ -3,7 +3,8 @@
 Rules every fix relies on:
 
 * A replacement is a plain module-level function (never a proxy object), so Megatron's async
-  checkpoint writer can pickle it by reference into ``spawn`` workers.
+  checkpoint writer can pickle it by reference into ``spawn`` workers; where a fix replaces a
+  module another module imported (its ``np``), the replacement is a module of the fix's own.
 * The object a replacement stands in for is kept in :data:`_ORIGINALS` for the life of the process,
   even after ``revert()``: a caller that captured the replacement earlier still reaches the
   original through :func:`original`.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 
 _MISSING = object()
 MARK = "__mcore_ckpt_fix__"
@@ -132,6 +134,14 @@ class Patcher:
         return restore
 
 
+def _is_definition(namespace, attr, replacement) -> bool:
+    """Whether ``namespace[attr]`` is where the replacement is defined, which keeps it, not a binding
+    of it: a function's own module, or a replacement module's parent package (the submodule attribute)."""
+    if isinstance(replacement, types.ModuleType):
+        return f"{namespace.get('__name__')}.{attr}" == replacement.__name__
+    return namespace.get("__name__") == getattr(replacement, "__module__", None)
+
+
 def unbind_late_imports(restore) -> None:
     """A module imported while a fix was applied bound a replacement itself with ``from x import
     f``: no record covers it. Point such globals back at the original too, so after ``revert()`` no
@@ -145,7 +155,6 @@ def unbind_late_imports(restore) -> None:
                 continue
             for attr, value in list(namespace.items()):
                 pair = restore.get(id(value))
-                # The fix module that defines the replacement keeps it: it is the definition, not a binding.
-                if pair is not None and value is pair[0] and namespace.get("__name__") != pair[0].__module__:
+                if pair is not None and value is pair[0] and not _is_definition(namespace, attr, value):
                     namespace[attr] = pair[1]
                     note(mod, attr, pair[1])

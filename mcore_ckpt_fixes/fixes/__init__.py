@@ -23,5 +23,6 @@ ORDER = (
     "legacy-save-writers",
     "rerun-transient-checkpoint",
     "load-main-params-substring-match",
+    "numpy2-product",
     "fsdp2-swiglu-split",
 )

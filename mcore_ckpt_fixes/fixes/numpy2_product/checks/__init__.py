@@ -1,0 +1,1 @@
+"""numpy2-product's round trips (test and selftest processes only)."""
