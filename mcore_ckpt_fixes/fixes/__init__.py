@@ -24,4 +24,5 @@ ORDER = (
     "rerun-transient-checkpoint",
     "load-main-params-substring-match",
     "numpy2-product",
+    "fsdp2-swiglu-split",
 )
