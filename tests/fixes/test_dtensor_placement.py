@@ -299,6 +299,7 @@ def test_bad_placement_is_one_clear_line():
 # -- rebinding ---------------------------------------------------------------------------------
 
 
+@pytest.mark.one_line  # the engine's rebinding, reload, pickle and revert, which tests/engine/test_lifecycle.py checks for every fix on every line
 def test_modules_that_bound_the_helpers_before_the_fix_get_the_fixed_ones():
     check_py(
         """
@@ -321,6 +322,7 @@ assert tu.make_sharded_tensor_for_checkpoint is keep['early'] and mu.make_tp_sha
     )
 
 
+@pytest.mark.one_line  # the engine's rebinding, reload, pickle and revert, which tests/engine/test_lifecycle.py checks for every fix on every line
 def test_binding_made_while_applied_behaves_as_reverted_after_revert():
     """Fix first, Megatron after: modules bind the replacement itself, and the engine's revert does
     not know those bindings. They forward to what megatron.core.utils holds now."""

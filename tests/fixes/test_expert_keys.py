@@ -357,6 +357,7 @@ def test_aliases_rebound_and_restored(mcore_version):
     assert out.strip().endswith(f"OK {sites}"), out
 
 
+@pytest.mark.one_line  # the engine's rebinding, reload, pickle and revert, which tests/engine/test_lifecycle.py checks for every fix on every line
 def test_alias_imported_after_the_fix_follows_revert():
     assert check_py(LATE_ALIAS).strip().endswith("OK")
 

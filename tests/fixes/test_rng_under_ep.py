@@ -130,6 +130,7 @@ def test_status_and_probe(mcore_version):
     assert original(m, "get_rng_state").__module__ == "megatron.training.checkpointing"
 
 
+@pytest.mark.one_line  # the engine's rebinding, reload, pickle and revert, which tests/engine/test_lifecycle.py checks for every fix on every line
 def test_rebind_reload_revert_pickle(mcore_version):
     """``from megatron.training.checkpointing import get_rng_state`` made before the fix is rebound;
     apply twice is one layer; the replacements pickle by reference; revert restores the originals."""
