@@ -6,6 +6,7 @@ in worlds of forked ranks (see mcore_ckpt_fixes.testing.launcher), started from 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,65 @@ def resume_fail_text(mode_out):
         for r in mode_out["ranks"]
         if not r["exact"]
     )
+
+
+class WarmPython:
+    """:func:`run_py` for many scripts, each in a child forked from one interpreter that has
+    imported torch (tests/patches/warm_python.py): the same environment and ``sys.path`` as a fresh
+    interpreter, without torch's import per script. ``close()`` stops it."""
+
+    SERVER = os.path.join(TESTS, "patches", "warm_python.py")
+
+    def __init__(self):
+        self.env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], None)
+        self.proc = subprocess.Popen(
+            [sys.executable, self.SERVER], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self._answer(120)  # {"ready": pid}: torch is imported
+
+    def _answer(self, timeout):
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise TimeoutError(f"the warm interpreter gave no answer within {timeout:.0f} s")
+        return json.loads(line)
+
+    def run(self, code, env=None, timeout=300, main_only=False) -> subprocess.CompletedProcess:
+        code = textwrap.dedent(code)
+        if main_only:
+            code = 'if __name__ == "__main__":\n' + textwrap.indent(code, "    ")
+        full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
+        with tempfile.TemporaryDirectory(prefix="mcore_ckpt_fixes_test_") as where:
+            script = os.path.join(where, "mcore_ckpt_fixes_test_script.py")
+            out = os.path.join(where, "output.txt")
+            with open(script, "w") as f:
+                f.write(code)
+            request = {
+                "script": script,
+                "out": out,
+                "env": full_env,
+                "server_pythonpath": [p for p in self.env["PYTHONPATH"].split(os.pathsep) if p],
+                "server_dir": os.path.dirname(self.SERVER),
+            }
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = self._answer(30)["pid"]  # forked
+            try:
+                rc = self._answer(timeout)["rc"]
+            except TimeoutError:
+                import signal
+
+                os.kill(pid, signal.SIGKILL)
+                raise
+            with open(out) as f:
+                output = f.read()
+        # stdout and stderr are one stream here: both fields hold it.
+        return subprocess.CompletedProcess([self.SERVER, script], rc, output, output)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

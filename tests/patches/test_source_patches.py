@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_py
+from conftest import ROOT
 from mcore_ckpt_fixes.engine.registry import ENGINE
 
 PATCHES = os.path.join(ROOT, "patches")
@@ -29,6 +29,16 @@ def _implemented_fixes_with_patches():
 
 def _patch_for(fix_id, version):
     return os.path.join(PATCHES, fix_id, f"{version}.patch")
+
+
+@pytest.fixture(scope="module")
+def warm_python():
+    """One interpreter with torch imported, forking a child per patched-source script."""
+    from conftest import WarmPython
+
+    warm = WarmPython()
+    yield warm
+    warm.close()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +93,9 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.mark.parametrize("fix_id", _implemented_fixes_with_patches())
-def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version, pristine_megatron, tmp_path):
+def test_patch_applies_and_round_trips_without_monkeypatch(
+    fix_id, mcore_version, pristine_megatron, tmp_path, warm_python
+):
     patch_file = _patch_for(fix_id, mcore_version)
     fix = ENGINE.discover()[fix_id]
     if mcore_version not in fix.specifiers:
@@ -101,7 +113,9 @@ def test_patch_applies_and_round_trips_without_monkeypatch(fix_id, mcore_version
 
     # The patched Megatron-Core shadows the installed one.
     env = {"PYTHONPATH": str(tmp_path), "PATCHED_MEGATRON": str(tmp_path / "megatron"), "FIX_ID": fix_id}
-    proc = run_py(SCRIPT, env, timeout=900, main_only=True)
+    # A fresh interpreter's environment and path (the patched tree first), forked from one that has
+    # imported torch only: Megatron-Core is imported from the patched tree in each child.
+    proc = warm_python.run(SCRIPT, env, timeout=900, main_only=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     # Absent: megatron.training before 0.17, and frameworks' modules (Bridge, verl, ...), whose own
