@@ -25,4 +25,5 @@ ORDER = (
     "load-main-params-substring-match",
     "numpy2-product",
     "fsdp2-swiglu-split",
+    "hybrid-optimizer-fp32-params",
 )
