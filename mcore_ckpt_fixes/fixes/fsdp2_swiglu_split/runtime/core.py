@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, mark, original
 from ....engine.probing import Group
 from .. import ID, MODULE
 
@@ -144,8 +144,7 @@ def _bind_mapping():
 
 
 def _release_method(cls):
-    fn = cls.__dict__["sharded_state_dict"]
-    return original(cls, "sharded_state_dict") if is_replacement(fn) else fn
+    return original(cls, "sharded_state_dict")  # the release's, even after apply
 
 
 @mark(ID)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, mark, original
 from .. import ID, MODULE
 
 CLASS = "HybridDeviceOptimizer"
@@ -56,8 +56,7 @@ def release_raises_for_fp32_param(cls) -> bool:
     """Does the release's method stop on a parameter that has no fp32 copy (an fp32 parameter)?"""
     import torch
 
-    fn = cls.__dict__[METHOD]
-    fn = original(cls, METHOD) if is_replacement(fn) else fn
+    fn = original(cls, METHOD)  # the release's, even after apply
     param = torch.zeros(2)
     stand_in = types.SimpleNamespace(
         param_update_in_fp32=True, param_to_fp32_param={}, state={param: {"master_param": torch.ones(2)}}
