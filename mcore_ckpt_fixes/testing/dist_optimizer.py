@@ -33,12 +33,12 @@ def values(seed, *parts, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
-    """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
+def build_model(seed, bf16=True, bucket_size=None):
+    """A one-layer GPT under Megatron's DDP for the distributed optimizer, parameters drawn from
+    ``seed`` (the same on both ranks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -60,10 +60,16 @@ def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
     )
     # Float16Module: every parameter in bf16, as Megatron's training wraps a bf16 model (torch's
     # LayerNorm, the fallback without Apex, would otherwise keep fp32 parameters beside bf16 ones).
-    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
+    return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
+
+
+def optimizer_config(bf16=True, decoupled_lr=None, **extra):
+    """Adam with the distributed optimizer; ``extra``: more OptimizerConfig fields."""
+    from megatron.core.optimizer import OptimizerConfig
+
     # bf16 with fp32 main parameters, as models train: the main-parameter shards are the
     # optimizer's own tensors (with fp32 model parameters they would be views of the model's).
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam",
         lr=1e-2,
         weight_decay=0.01,
@@ -72,8 +78,16 @@ def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # The embedding and output layer's own learning rate (Megatron-LM's --decoupled-lr).
         **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr, "min_lr": 1e-3}),
+        **extra,
     )
-    return model, get_megatron_optimizer(opt_config, [model])
+
+
+def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
+    """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model = build_model(seed, bf16, bucket_size)
+    return model, get_megatron_optimizer(optimizer_config(bf16, decoupled_lr), [model])
 
 
 def step(model, opt, index):

@@ -33,14 +33,13 @@ drawn, as :mod:`mcore_ckpt_fixes.testing.dist_optimizer` says.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, values, world
+from ....testing.offload import on_device
 from ....testing.result import RoundTrip, error_line
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -59,72 +58,6 @@ def prepare() -> None:
     """Warm imports in the parent before any world forks."""
     import megatron.core.optimizer  # noqa: F401
     from megatron.core.models.gpt import GPTModel  # noqa: F401
-
-
-class _Event:
-    def synchronize(self):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-
-class _Stream:
-    """A CUDA stream stand-in: CPU work is ordered already."""
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return _Event()
-
-    def synchronize(self):
-        pass
-
-
-class _OnDevice(TorchFunctionMode):
-    """Tensors whose storage is a registered model's report ``is_cuda``; pinned memory is plain."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages, self._kept = set(), []
-
-    def register(self, tensors):
-        for t in tensors:
-            storage = t.untyped_storage()
-            self._kept.append(storage)  # alive while the mode is: no CPU tensor reuses its address
-            self.storages.add(storage.data_ptr())
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func == torch.Tensor.is_cuda.__get__:
-            return args[0].untyped_storage().data_ptr() in self.storages
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        if kwargs.get("pin_memory"):
-            kwargs = dict(kwargs, pin_memory=False)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def on_device():
-    """The mode (``.register(model.parameters())``) and CUDA stream stand-ins, on a CPU host only."""
-    if torch.cuda.is_available():
-        yield None
-        return
-    cuda = torch.cuda
-    saved = cuda.current_stream, cuda.stream, cuda.Stream
-    cuda.current_stream = lambda device=None: _Stream()
-    cuda.stream = lambda stream: contextlib.nullcontext()
-    cuda.Stream = lambda *args, **kwargs: _Stream()
-    try:
-        with _OnDevice() as mode:
-            yield mode
-    finally:
-        cuda.current_stream, cuda.stream, cuda.Stream = saved
 
 
 def build_model(seed, case, device):

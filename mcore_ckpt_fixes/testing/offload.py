@@ -1,0 +1,101 @@
+"""Megatron's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``) on a CPU host, for round trips
+of its checkpoint (test and selftest worker processes only).
+
+No tensor is on a GPU here. The hybrid optimizer decides what to offload by ``param.is_cuda`` and
+overlaps its copies on CUDA streams: :func:`on_device` makes a registered model's parameters report
+``is_cuda``, so it splits them as on a GPU host (a CPU copy of each, updated by CPU optimizers and
+copied back; ``pin_memory`` a no-op), and stands CUDA streams and events in by objects that order
+nothing (CPU work is ordered already). :func:`precision_aware_without_te` lets ``OptimizerConfig``
+accept the precision-aware optimizer (which Megatron-LM requires with CPU offload) where, before
+0.17, it asks Transformer Engine's version and TE is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _Event:
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is ordered already."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _Event()
+
+    def synchronize(self):
+        pass
+
+
+class _OnDevice(TorchFunctionMode):
+    """Tensors whose storage is a registered model's report ``is_cuda``; pinned memory is plain."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages, self._kept = set(), []
+
+    def register(self, tensors):
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._kept.append(storage)  # alive while the mode is: no CPU tensor reuses its address
+            self.storages.add(storage.data_ptr())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == torch.Tensor.is_cuda.__get__:
+            return args[0].untyped_storage().data_ptr() in self.storages
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_device():
+    """The mode (``.register(model.parameters())``) and CUDA stream stand-ins, on a CPU host only."""
+    if torch.cuda.is_available():
+        yield None
+        return
+    cuda = torch.cuda
+    saved = cuda.current_stream, cuda.stream, cuda.Stream
+    cuda.current_stream = lambda device=None: _Stream()
+    cuda.stream = lambda stream: contextlib.nullcontext()
+    cuda.Stream = lambda *args, **kwargs: _Stream()
+    try:
+        with _OnDevice() as mode:
+            yield mode
+    finally:
+        cuda.current_stream, cuda.stream, cuda.Stream = saved
+
+
+@contextlib.contextmanager
+def precision_aware_without_te():
+    """Before 0.17 ``OptimizerConfig`` asks Transformer Engine's version for the precision-aware
+    optimizer (to pick ``store_param_remainders``), which raises without TE: answer "older than
+    asked", the answer for an absent TE."""
+    import megatron.core.optimizer.optimizer_config as config
+
+    saved = config.__dict__.get("is_te_min_version")
+    if saved is not None:
+        config.is_te_min_version = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        if saved is not None:
+            config.is_te_min_version = saved
