@@ -118,7 +118,9 @@ def local_state(model, opt):
             main = d.optimizer.param_groups[gi]["params"][go]
             out[f"main/{name}"] = main.detach().clone()
             for k, v in d.optimizer.state[main].items():
-                if k != "step":
+                # Not the step (checked on its own), nor a non-tensor: before 0.17 a dp_reshardable
+                # load hands the hybrid optimizer the bucket's ``padding`` flag too.
+                if k != "step" and isinstance(v, torch.Tensor):
                     out[f"{k}/{name}"] = v.detach().clone()
     return out
 

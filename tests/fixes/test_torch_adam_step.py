@@ -3,11 +3,14 @@
 World 2 (DP=2, gloo on CPU), a one-layer GPT in bf16, Megatron's DDP and distributed optimizer on
 torch's Adam (no Transformer Engine or Apex here, so Megatron takes its fallback), saved and loaded
 with ``dist_checkpointing`` as ``dp_reshardable`` and ``fully_reshardable``; the target optimizer
-fresh or after one step. See mcore_ckpt_fixes/fixes/torch_adam_step/checks/core.py.
+fresh or after one step. The same with CPU offload (``HybridDeviceOptimizer``, whose CPU optimizers
+are torch's AdamW), on the path Megatron takes with a FusedAdam installed and on the fallback. See
+mcore_ckpt_fixes/fixes/torch_adam_step/checks/core.py.
 """
 
 import pytest
 from fix_worlds import both_halves
+from packaging.version import Version
 
 from mcore_ckpt_fixes.fixes.torch_adam_step import FIX
 from mcore_ckpt_fixes.fixes.torch_adam_step.checks import scenarios as sc
@@ -17,17 +20,26 @@ CORE = "mcore_ckpt_fixes.fixes.torch_adam_step.checks.core"
 MODULE = "megatron.core.optimizer.distrib_optimizer"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
 # What the fix-off half shows per case on a release that needs the fix (every CI line).
+STALE = ("step", "AssertionError: per-parameter step after the load: [1.0], the checkpoint's: 3.0")
 UNPATCHED = {
     "fresh_load": ("load_request", "AssertionError: "),
-    "stale_step": ("step", "AssertionError: per-parameter step after the load: [1.0], the checkpoint's: 3.0"),
+    "stale_step": STALE,
     "fully_reshardable": ("load", "KeyError: 'step'"),
     "fresh_fully_reshardable": ("load_request", "AssertionError: "),
+    # CPU offload: a fresh hybrid optimizer takes a step of its own inside load_state_dict (dummy_step).
+    "hybrid_stale_step": STALE,
+    "hybrid_fresh_load": STALE,
+    "hybrid_torch_stale_step": STALE,
 }
+# Before 0.19 the common state of a fully_reshardable save (common.pt, read with torch.load's
+# weights_only default since torch 2.6) holds the hybrid optimizer's class objects from its param
+# groups: the load stops in both halves (catalogued as hybrid-device-optimizer-common-state-unpickling).
+WEIGHTS_ONLY = "UnpicklingError: Weights only load failed."
 
 
 def test_registry():
     assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {
-        n: (f"{CORE}:{n}", 2) for n in ("fresh_load", "stale_step", "fully_reshardable")
+        n: (f"{CORE}:{n}", 2) for n in ("fresh_load", "stale_step", "fully_reshardable", "hybrid_stale_step")
     }
     for name, s in SCENARIOS.items():
         bug = next(iter(s.bug.values()))
@@ -51,20 +63,38 @@ def test_unpatched_shows_the_documented_failure(worlds, case, mcore_version):
         assert SCENARIOS[case].bug_for(mcore_version).seen_in(results)
 
 
+def _exact(r, rank, case):
+    assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+    assert r["steps"] == [3.0], (rank, r["steps"])
+    deltas = r["max_delta"]
+    # main-parameter shards, exp_avg, exp_avg_sq and model parameters (with CPU offload also the
+    # fp32 master and the copy each CPU optimizer updates), after the load and after one more step
+    # (against the uninterrupted run)
+    want = {"model", "main", "exp_avg", "exp_avg_sq"}
+    if case.startswith("hybrid"):
+        want |= {"master_param", "inner"}
+    kinds = {k.split("/")[0] if not k.startswith("next/") else "next/" + k.split("/")[1] for k in deltas}
+    assert kinds == want | {f"next/{k}" for k in want}, (rank, kinds)
+    assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
+
+
 @pytest.mark.parametrize("case", list(UNPATCHED))
 def test_patched_restores_every_step_and_the_next_step_matches(worlds, case):
     for rank, r in enumerate(w[case] for w in worlds[True]):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
         assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
-        assert r["steps"] == [3.0], (rank, r["steps"])
-        deltas = r["max_delta"]
-        # main-parameter shards, exp_avg, exp_avg_sq and model parameters, after the load and after
-        # one more step (against the uninterrupted run)
-        kinds = {k.split("/")[0] if not k.startswith("next/") else "next/" + k.split("/")[1] for k in deltas}
-        assert kinds == {"model", "main", "exp_avg", "exp_avg_sq"} | {
-            f"next/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")
-        }, (rank, kinds)
-        assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
+        _exact(r, rank, case)
+
+
+@pytest.mark.parametrize("patched", (False, True))
+def test_hybrid_fully_reshardable_is_the_releases(worlds, patched, mcore_version):
+    """fully_reshardable hands the hybrid optimizer no step: the release restores it, and the fix
+    keeps that; before 0.19 the load stops earlier, in both halves, on another bug."""
+    for rank, r in enumerate(w["hybrid_fully_reshardable"] for w in worlds[patched]):
+        if mcore_version < Version("0.19.0"):
+            assert r["phase"] == "load" and r["error"].startswith(WEIGHTS_ONLY), (rank, r["error"])
+            assert "torch.optim.adamw.AdamW" in r["traceback"], r["traceback"]
+        else:
+            _exact(r, rank, "hybrid_fully_reshardable")
 
 
 def test_probe_finds_the_three_defects(mcore_version):
@@ -75,7 +105,7 @@ def test_probe_finds_the_three_defects(mcore_version):
     verdict, why = core.probe(m)  # the release's own methods, even after apply
     assert m.HAVE_APEX_OR_TE is flag  # the probe puts the flag back
     assert verdict is True and why.startswith("DistributedOptimizer on torch's Adam: (a) "), why
-    assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)"], why
+    assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)", "(d)"], why
     if not flag:
         assert why.endswith("(this installation uses torch's Adam)"), why
 

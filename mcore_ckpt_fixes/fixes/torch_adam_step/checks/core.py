@@ -21,11 +21,24 @@ What is not real: the gradients and the CUDA tensors, as :mod:`mcore_ckpt_fixes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch.distributed as dist
 
-from ....testing.dist_optimizer import SOURCE_SEED, build, distributed, local_state, step, one_case, run_cases
+from ....resume.fused_adam import optimizer_path
+from ....testing.dist_optimizer import (
+    SOURCE_SEED,
+    build,
+    build_model,
+    distributed,
+    local_state,
+    one_case,
+    optimizer_config,
+    step,
+    world,
+)
+from ....testing.offload import on_device, precision_aware_without_te
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
@@ -35,12 +48,19 @@ from .. import ID, MODULE
 
 STEPS = 3  # the source run's optimizer steps before the save
 TARGET_SEED = 98765
-# case -> (distrib_optim_sharding_type, whether the target has taken a step before the load)
+# case -> (distrib_optim_sharding_type, whether the target has taken a step before the load, optimizer)
+# optimizer: "adam", torch's Adam (no TE or Apex); "hybrid", HybridDeviceOptimizer (CPU offload) on
+# the path Megatron takes with Apex or Transformer Engine installed (as on a GPU host); "hybrid-torch",
+# HybridDeviceOptimizer without either.
 CASES = {
-    "fresh_load": ("dp_reshardable", False),
-    "stale_step": ("dp_reshardable", True),
-    "fully_reshardable": ("fully_reshardable", True),
-    "fresh_fully_reshardable": ("fully_reshardable", False),
+    "fresh_load": ("dp_reshardable", False, "adam"),
+    "stale_step": ("dp_reshardable", True, "adam"),
+    "fully_reshardable": ("fully_reshardable", True, "adam"),
+    "fresh_fully_reshardable": ("fully_reshardable", False, "adam"),
+    "hybrid_stale_step": ("dp_reshardable", True, "hybrid"),
+    "hybrid_fresh_load": ("dp_reshardable", False, "hybrid"),
+    "hybrid_fully_reshardable": ("fully_reshardable", True, "hybrid"),
+    "hybrid_torch_stale_step": ("dp_reshardable", True, "hybrid-torch"),
 }
 
 
@@ -74,40 +94,94 @@ def _request(model, opt, fmt, is_loading):
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
-def _source(fmt, ckpt_dir, cache):
-    """Save the source run (once per sharding type in a world); return (saved state, reference)."""
-    if fmt not in cache:
+@contextlib.contextmanager
+def _optimizer_path(kind):
+    """Megatron's optimizer modules as the case needs them; for the hybrid optimizer, the CPU
+    stand-ins of :mod:`mcore_ckpt_fixes.testing.offload` (yields the device mode, or None)."""
+    if kind == "adam":
+        import megatron.core.optimizer.distrib_optimizer as do
+
+        assert not do.HAVE_APEX_OR_TE, "Megatron imported a FusedAdam: this round trip needs torch's Adam"
+        yield None
+        return
+    with precision_aware_without_te(), optimizer_path(apex=kind == "hybrid"), on_device() as device:
+        yield device
+
+
+def _build(seed, kind, device):
+    """Model and optimizer: the distributed optimizer on torch's Adam, or as Megatron-LM builds it
+    with ``--optimizer-cpu-offload`` (which requires ``--use-precision-aware-optimizer``), every
+    parameter's state offloaded (``--optimizer-offload-fraction 1.0``, the default)."""
+    if kind == "adam":
+        return build(seed)
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model = build_model(seed)
+    if device is not None:
+        device.register(model.module.parameters())
+    config = optimizer_config(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True
+    )
+    return model, get_megatron_optimizer(config, [model])
+
+
+def _state(model, opt):
+    """:func:`local_state`, and for the hybrid optimizer the tensor each CPU optimizer updates."""
+    out = local_state(model, opt)
+    for name, p in model.module.named_parameters():
+        for d in distributed(opt):
+            inner = getattr(d.optimizer, "param_to_inner_param", None)
+            if inner is not None and p in d.model_param_group_index_map:
+                gi, go = d.model_param_group_index_map[p]
+                out[f"inner/{name}"] = inner[d.optimizer.param_groups[gi]["params"][go]].detach().clone()
+    return out
+
+
+def _source(fmt, kind, ckpt_dir, cache, device):
+    """Save the source run (once per sharding type and optimizer in a world); return (path, saved
+    state, reference, param group keys)."""
+    if (fmt, kind) not in cache:
         from megatron.core import dist_checkpointing
 
-        model, opt = build(SOURCE_SEED)
+        model, opt = _build(SOURCE_SEED, kind, device)
         for i in range(STEPS):
             step(model, opt, i)
-        path = os.path.join(ckpt_dir, fmt)
+        path = os.path.join(ckpt_dir, f"{kind}-{fmt}")
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(_request(model, opt, fmt, False), path)
-        saved = local_state(model, opt)
+        saved = _state(model, opt)
         step(model, opt, STEPS)
-        cache[fmt] = (path, saved, local_state(model, opt), _group_keys(opt))
-    return cache[fmt]
+        cache[fmt, kind] = (path, saved, _state(model, opt), _group_keys(opt))
+    return cache[fmt, kind]
+
+
+def _check_steps(rt, opt, group_keys, kind):
+    values, tensors, params = _steps(opt)
+    rt["steps"] = values
+    if values != [float(STEPS)]:
+        raise AssertionError(f"per-parameter step after the load: {values}, the checkpoint's: {float(STEPS)}")
+    if tensors != params:
+        raise AssertionError(f"{params} parameters share {tensors} step tensor(s) after the load")
+    # With a FusedAdam importable the release keeps the checkpoint's step in the hybrid optimizer's
+    # param groups too (where a FusedAdam counts); its CPU optimizers read their own per-parameter step.
+    if kind != "hybrid" and _group_keys(opt) != group_keys:
+        raise AssertionError(f"param groups after the load: {_group_keys(opt)}, before the save: {group_keys}")
 
 
 def run_case(name, ckpt_dir, patched, cache=None):
     """One case (``CASES``) in a world whose parallel state is initialised: its RoundTrip result."""
     from megatron.core import dist_checkpointing
 
-    fmt, initialised = CASES[name]
-    rt = RoundTrip(case=name, sharding_type=fmt, steps=None)
-    with rt.running():
+    fmt, initialised, kind = CASES[name]
+    rt = RoundTrip(case=name, sharding_type=fmt, optimizer=kind, steps=None)
+    with rt.running(), _optimizer_path(kind) as device:
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
-        import megatron.core.optimizer.distrib_optimizer as do
-
-        assert not do.HAVE_APEX_OR_TE, "Megatron imported a FusedAdam: this round trip needs torch's Adam"
         rt.phase("save")
-        path, saved, reference, group_keys = _source(fmt, ckpt_dir, {} if cache is None else cache)
-        model, opt = build(TARGET_SEED)
+        path, saved, reference, group_keys = _source(fmt, kind, ckpt_dir, {} if cache is None else cache, device)
+        model, opt = _build(TARGET_SEED, kind, device)
         if initialised:
             step(model, opt, 100)
         rt.phase("load_request")
@@ -117,27 +191,24 @@ def run_case(name, ckpt_dir, patched, cache=None):
         model.module.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
         rt.phase("step")
-        values, tensors, params = _steps(opt)
-        rt["steps"] = values
-        if values != [float(STEPS)]:
-            raise AssertionError(f"per-parameter step after the load: {values}, the checkpoint's: {float(STEPS)}")
-        if tensors != params:
-            raise AssertionError(f"{params} parameters share {tensors} step tensor(s) after the load")
-        if _group_keys(opt) != group_keys:
-            raise AssertionError(f"param groups after the load: {_group_keys(opt)}, before the save: {group_keys}")
-        got = local_state(model, opt)
+        _check_steps(rt, opt, group_keys, kind)
+        got = _state(model, opt)
         step(model, opt, STEPS)
-        after = local_state(model, opt)
         rt.compare(saved, got)
-        rt.compare(reference, after, prefix="next/")
+        rt.compare(reference, _state(model, opt), prefix="next/")
     return rt.result
 
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
-    """Several cases in one world (one source save per sharding type): ``{case: result}``."""
-    return run_cases(run_case, names or CASES, ckpt_dir, patched)
+    """Several cases in one world (one source save per sharding type and optimizer): ``{case: result}``."""
+    cache, out = {}, {}
+    with world():
+        for name in names or CASES:
+            out[name] = run_case(name, ckpt_dir, patched, cache)
+    return out
 
 
 fresh_load = one_case(run_case, "fresh_load")
 stale_step = one_case(run_case, "stale_step")
 fully_reshardable = one_case(run_case, "fully_reshardable")
+hybrid_stale_step = one_case(run_case, "hybrid_stale_step")

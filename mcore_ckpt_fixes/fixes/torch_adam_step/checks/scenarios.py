@@ -1,7 +1,7 @@
 """torch-adam-step's round trips as the suite and ``selftest`` find them (no torch, no Megatron here).
 
-World 2 (DP=2), Megatron's DDP and distributed optimizer on torch's Adam, ``dist_checkpointing``
-(see checks/core.py). Each scenario is one case of ``core.CASES``; tests/fixes/test_torch_adam_step.py
+World 2 (DP=2), Megatron's DDP and distributed optimizer on torch's Adam, or with CPU offload
+(``HybridDeviceOptimizer``), ``dist_checkpointing`` (see checks/core.py). Each scenario is one case of ``core.CASES``; tests/fixes/test_torch_adam_step.py
 runs them all (and the fresh fully_reshardable load) in one world per half.
 """
 
@@ -54,5 +54,20 @@ SCENARIOS = (
         devices=("cpu",),
         requires=(f"{MODULE}:DistributedOptimizer.sharded_param_state_fully_reshardable",),
         doc="fully_reshardable, one step taken before the load",
+    ),
+    Scenario(
+        ID,
+        "hybrid_stale_step",
+        f"{_CORE}:hybrid_stale_step",
+        2,
+        {">=0.16.0,<=0.19.2": STALE_STEP_BUG},
+        prepare=_PREPARE,
+        devices=("cpu",),
+        requires=(
+            f"{MODULE}:DistributedOptimizer.sharded_param_state_dp_reshardable",
+            f"{MODULE}:HybridDeviceOptimizer",
+        ),
+        applicable=f"{_CORE}:dp_reshardable_keeps_step",
+        doc="CPU offload (HybridDeviceOptimizer, precision-aware), dp_reshardable, one step before the load",
     ),
 )

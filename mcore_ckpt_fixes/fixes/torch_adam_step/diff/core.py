@@ -6,7 +6,8 @@ round trips with the monkeypatch off):
 * ``DistributedOptimizer.state_dict``, torch's Adam branch: no per-parameter step yet (a freshly
   built optimizer) is step 0 instead of a failed ``assert len(steps) == 1``;
 * ``_set_main_param_and_optimizer_states``: the per-parameter step is not among the tensors copied
-  from the loaded state (``load_state_dict`` has set it from the checkpoint's param groups);
+  from the loaded state (``load_state_dict`` has set it from the checkpoint's param groups), in
+  torch Adam's branch and in HybridDeviceOptimizer's;
 * ``load_state_dict``, torch's Adam branch: each parameter gets its own step tensor, and the step
   the param groups carried into the parameters' state is not left in torch's param groups.
 """
@@ -64,6 +65,17 @@ _LOADED_NEW = _LOADED_OLD + (
 )
 
 
+# HybridDeviceOptimizer (CPU offload), precision-aware branch: its CPU optimizers are torch's AdamW.
+_HYBRID_OLD = '                if isinstance(self.optimizer, HybridDeviceOptimizer):\n                    if k == "param":\n'
+_HYBRID_NEW = (
+    "                if isinstance(self.optimizer, HybridDeviceOptimizer):\n"
+    "                    # Its CPU optimizers are torch's AdamW, whose step load_state_dict has set.\n"
+    '                    if k == "step":\n'
+    "                        continue\n"
+    '                    if k == "param":\n'
+)
+
+
 def source_edits(release: str) -> list:
     sixteen = release.startswith("0.16.") or release.startswith("0.15.")
     set_states = (
@@ -74,6 +86,7 @@ def source_edits(release: str) -> list:
     return [
         Replace(TARGET, _STATE_DICT_OLD, _STATE_DICT_NEW),
         set_states,
+        Replace(TARGET, _HYBRID_OLD, _HYBRID_NEW),
         Replace(TARGET, _LOAD_OLD, _LOAD_NEW),
         Replace(TARGET, _LOADED_OLD, _LOADED_NEW),
     ]

@@ -15,6 +15,7 @@ from ....engine.patching import Patcher, is_replacement, mark, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
+HYBRID_MODULE = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
 
 
 def _cls():
@@ -26,17 +27,31 @@ def _torch_adam() -> bool:
     return not getattr(sys.modules[MODULE], "HAVE_APEX_OR_TE", True)
 
 
-def _main_param_state(self, model_param):
-    """The torch optimizer's state of ``model_param``'s main-parameter shard, where the release keeps
-    it in ``self.optimizer.state`` (not the precision-aware optimizer, whose state is scaled)."""
-    config = self.config
-    if getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False) or getattr(
-        config, "use_precision_aware_optimizer", False
-    ):
+def _precision_aware(config) -> bool:
+    """The release's precision-aware branch (its flag was renamed in 0.14)."""
+    return bool(
+        getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+        or getattr(config, "use_precision_aware_optimizer", False)
+    )
+
+
+def _hybrid(optimizer) -> bool:
+    """``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``): whatever Adam the release imported,
+    its CPU optimizers are torch's ``AdamW``, with a ``step`` per parameter in the state it shares."""
+    hybrid = getattr(sys.modules.get(HYBRID_MODULE), "HybridDeviceOptimizer", None)
+    return hybrid is not None and isinstance(optimizer, hybrid)
+
+
+def _step_state(self, model_param):
+    """The optimizer state of ``model_param``'s shard that keeps torch Adam's per-parameter step:
+    torch's Adam's own (not under the precision-aware optimizer, whose state is scaled) or the
+    hybrid optimizer's (either branch); None where the step lives in the param groups."""
+    hybrid = _hybrid(self.optimizer)
+    if not hybrid and (not _torch_adam() or _precision_aware(self.config)):
         return None
     group_index, group_order = self.model_param_group_index_map[model_param]
-    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-    return self.optimizer.state.get(main_param)
+    shard = self.optimizer.param_groups[group_index]["params"][group_order]
+    return self.optimizer.state.get(shard)
 
 
 @mark(ID)
@@ -61,9 +76,7 @@ def set_main_param_and_optimizer_states(self, model_param, tensors):
     step as it is: ``load_state_dict`` has just set it from the checkpoint's param groups, and the
     loaded per-parameter state has none (fully_reshardable, fully_sharded_model_space) or the one
     the optimizer had before the load (dp_reshardable's non-persistent entry)."""
-    # Only on torch's Adam: HybridDeviceOptimizer (CPU offload beside a FusedAdam) keeps per-parameter
-    # steps too, but its own branches are not what this fix covers or checks.
-    state = _main_param_state(self, model_param) if _torch_adam() else None
+    state = _step_state(self, model_param)
     step = state.get("step") if state is not None else None
     if step is not None and hasattr(step, "copy_"):
         # The release copies ``tensors[k]`` into every tensor of the state: the step onto itself.
@@ -129,6 +142,26 @@ def _stand_in(torch, step=None):
     return opt, model_param, main_param
 
 
+def _hybrid_defect(module, torch, set_states):
+    """(d) on a HybridDeviceOptimizer stand-in (uninitialised: no CUDA stream is made) under the
+    precision-aware branch Megatron-LM requires with CPU offload; None where the release has none."""
+    hybrid_cls = module.__dict__.get("HybridDeviceOptimizer")
+    if hybrid_cls is None:
+        return None
+    opt, model_param, _ = _stand_in(torch)
+    shard = torch.zeros(2)
+    hybrid = hybrid_cls.__new__(hybrid_cls)
+    hybrid.param_groups = [{"params": [shard]}]
+    hybrid.state = {shard: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}}
+    opt.optimizer = hybrid
+    opt.config.use_precision_aware_optimizer = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    loaded = {"param": torch.ones(2), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+    set_states(opt, model_param, {**loaded, "step": torch.tensor(1.0)})
+    if float(hybrid.state[shard]["step"]) != 3.0:
+        return "(d) with CPU offload (HybridDeviceOptimizer, torch's AdamW on the CPU) likewise"
+    return None
+
+
 def defects(module) -> list:
     """Which of (a), (b), (c) the release's own code shows on torch's Adam (its flag set to the
     torch path for the duration: the code is there whichever Adam this installation imports)."""
@@ -155,6 +188,9 @@ def defects(module) -> list:
             set_states(opt, model_param, loaded)
         except KeyError:
             found.append("(c) a loaded state without per-parameter step raises KeyError: 'step'")
+        hybrid = _hybrid_defect(module, torch, set_states)
+        if hybrid:
+            found.append(hybrid)
     finally:
         module.HAVE_APEX_OR_TE = saved
     return found
@@ -169,7 +205,7 @@ def probe(module: types.ModuleType):
     where = (
         "this installation uses torch's Adam"
         if not module.__dict__.get("HAVE_APEX_OR_TE", True)
-        else "reached only on torch's Adam (this installation imports a FusedAdam)"
+        else "(a)-(c) reached only on torch's Adam (this installation imports a FusedAdam), (d) with CPU offload"
     )
     return True, f"DistributedOptimizer on torch's Adam: {'; '.join(found)} ({where})"
 
