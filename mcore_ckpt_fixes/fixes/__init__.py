@@ -3,7 +3,7 @@
 Every fix package has the same inner shape (``runtime/`` runs in a job, ``diff/`` builds the source
 diffs, ``checks/`` tests): CONTRIBUTING.md, "Adding a fix".
 
-ORDER only fixes the order ``status`` lists them in (that of the fix table in README.md).
+ORDER only fixes the order ``status`` lists them in (that of docs/fixes.md and the README's list).
 """
 
 ORDER = (
