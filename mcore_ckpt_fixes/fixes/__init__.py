@@ -26,4 +26,5 @@ ORDER = (
     "numpy2-product",
     "fsdp2-swiglu-split",
     "hybrid-optimizer-fp32-params",
+    "hybrid-optimizer-fp32-shards",
 )
