@@ -100,6 +100,13 @@ def step(model, opt, index):
     assert ok, "the optimizer skipped a step"
 
 
+def request(model, opt, fmt, is_loading):
+    """A ``dist_checkpointing`` request of the model and the optimizer in sharding type ``fmt``."""
+    metadata = {"distrib_optim_sharding_type": fmt}
+    model_sd = model.module.sharded_state_dict()
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
 def distributed(opt):
     """The DistributedOptimizers behind what ``get_megatron_optimizer`` returned (a ChainedOptimizer
     from some releases on, even for one)."""

@@ -99,3 +99,47 @@ def precision_aware_without_te():
     finally:
         if saved is not None:
             config.is_te_min_version = saved
+
+
+@contextlib.contextmanager
+def offload_path(apex=True):
+    """Everything a hybrid optimizer needs on this host: Megatron's optimizer modules as with Apex
+    installed (``apex``, the path a GPU host takes; else torch's fallback), the precision-aware
+    optimizer accepted without Transformer Engine, and :func:`on_device` (yields its mode, or None)."""
+    from ..resume.fused_adam import optimizer_path
+
+    with precision_aware_without_te(), optimizer_path(apex=apex), on_device() as device:
+        yield device
+
+
+def build_offloaded(seed, device):
+    """A one-layer bf16 GPT under DDP and the distributed optimizer as Megatron-LM builds it with
+    ``--optimizer-cpu-offload`` (which requires ``--use-precision-aware-optimizer``), every
+    parameter's state offloaded (``--optimizer-offload-fraction 1.0``, the default); inside
+    :func:`offload_path`, ``device`` its mode."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from .dist_optimizer import build_model, optimizer_config
+
+    model = build_model(seed)
+    if device is not None:
+        device.register(model.module.parameters())
+    config = optimizer_config(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True
+    )
+    return model, get_megatron_optimizer(config, [model])
+
+
+def offloaded_state(model, opt):
+    """:func:`mcore_ckpt_fixes.testing.dist_optimizer.local_state`, and the tensor each of the hybrid
+    optimizer's CPU optimizers updates (``inner/``)."""
+    from .dist_optimizer import distributed, local_state
+
+    out = local_state(model, opt)
+    for name, p in model.module.named_parameters():
+        for d in distributed(opt):
+            inner = getattr(d.optimizer, "param_to_inner_param", None)
+            if inner is not None and p in d.model_param_group_index_map:
+                gi, go = d.model_param_group_index_map[p]
+                out[f"inner/{name}"] = inner[d.optimizer.param_groups[gi]["params"][go]].detach().clone()
+    return out

@@ -26,19 +26,16 @@ import os
 
 import torch.distributed as dist
 
-from ....resume.fused_adam import optimizer_path
 from ....testing.dist_optimizer import (
     SOURCE_SEED,
     build,
-    build_model,
     distributed,
-    local_state,
     one_case,
-    optimizer_config,
+    request,
     step,
     world,
 )
-from ....testing.offload import on_device, precision_aware_without_te
+from ....testing.offload import build_offloaded, offload_path, offloaded_state
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
@@ -88,12 +85,6 @@ def _group_keys(opt):
     return [sorted(k for k in g if k != "params") for d in distributed(opt) for g in d.optimizer.param_groups]
 
 
-def _request(model, opt, fmt, is_loading):
-    metadata = {"distrib_optim_sharding_type": fmt}
-    model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
-
-
 @contextlib.contextmanager
 def _optimizer_path(kind):
     """Megatron's optimizer modules as the case needs them; for the hybrid optimizer, the CPU
@@ -104,37 +95,13 @@ def _optimizer_path(kind):
         assert not do.HAVE_APEX_OR_TE, "Megatron imported a FusedAdam: this round trip needs torch's Adam"
         yield None
         return
-    with precision_aware_without_te(), optimizer_path(apex=kind == "hybrid"), on_device() as device:
+    with offload_path(apex=kind == "hybrid") as device:
         yield device
 
 
 def _build(seed, kind, device):
-    """Model and optimizer: the distributed optimizer on torch's Adam, or as Megatron-LM builds it
-    with ``--optimizer-cpu-offload`` (which requires ``--use-precision-aware-optimizer``), every
-    parameter's state offloaded (``--optimizer-offload-fraction 1.0``, the default)."""
-    if kind == "adam":
-        return build(seed)
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    model = build_model(seed)
-    if device is not None:
-        device.register(model.module.parameters())
-    config = optimizer_config(
-        optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True
-    )
-    return model, get_megatron_optimizer(config, [model])
-
-
-def _state(model, opt):
-    """:func:`local_state`, and for the hybrid optimizer the tensor each CPU optimizer updates."""
-    out = local_state(model, opt)
-    for name, p in model.module.named_parameters():
-        for d in distributed(opt):
-            inner = getattr(d.optimizer, "param_to_inner_param", None)
-            if inner is not None and p in d.model_param_group_index_map:
-                gi, go = d.model_param_group_index_map[p]
-                out[f"inner/{name}"] = inner[d.optimizer.param_groups[gi]["params"][go]].detach().clone()
-    return out
+    """The distributed optimizer on torch's Adam, or with CPU offload (:func:`build_offloaded`)."""
+    return build(seed) if kind == "adam" else build_offloaded(seed, device)
 
 
 def _source(fmt, kind, ckpt_dir, cache, device):
@@ -150,10 +117,10 @@ def _source(fmt, kind, ckpt_dir, cache, device):
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(_request(model, opt, fmt, False), path)
-        saved = _state(model, opt)
+        dist_checkpointing.save(request(model, opt, fmt, False), path)
+        saved = offloaded_state(model, opt)
         step(model, opt, STEPS)
-        cache[fmt, kind] = (path, saved, _state(model, opt), _group_keys(opt))
+        cache[fmt, kind] = (path, saved, offloaded_state(model, opt), _group_keys(opt))
     return cache[fmt, kind]
 
 
@@ -185,17 +152,17 @@ def run_case(name, ckpt_dir, patched, cache=None):
         if initialised:
             step(model, opt, 100)
         rt.phase("load_request")
-        request = _request(model, opt, fmt, True)
+        wanted = request(model, opt, fmt, True)
         rt.phase("load")
-        loaded = dist_checkpointing.load(request, path)
+        loaded = dist_checkpointing.load(wanted, path)
         model.module.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
         rt.phase("step")
         _check_steps(rt, opt, group_keys, kind)
-        got = _state(model, opt)
+        got = offloaded_state(model, opt)
         step(model, opt, STEPS)
         rt.compare(saved, got)
-        rt.compare(reference, _state(model, opt), prefix="next/")
+        rt.compare(reference, offloaded_state(model, opt), prefix="next/")
     return rt.result
 
 
