@@ -27,4 +27,5 @@ ORDER = (
     "fsdp2-swiglu-split",
     "hybrid-optimizer-fp32-params",
     "hybrid-optimizer-fp32-shards",
+    "hybrid-optimizer-common-state",
 )

@@ -33,7 +33,7 @@ UNPATCHED = {
 }
 # Before 0.19 the common state of a fully_reshardable save (common.pt, read with torch.load's
 # weights_only default since torch 2.6) holds the hybrid optimizer's class objects from its param
-# groups: the load stops in both halves (catalogued as hybrid-device-optimizer-common-state-unpickling).
+# groups: with every fix off the load stops (hybrid-optimizer-common-state's bug, on in the other half).
 WEIGHTS_ONLY = "UnpicklingError: Weights only load failed."
 
 
@@ -85,11 +85,12 @@ def test_patched_restores_every_step_and_the_next_step_matches(worlds, case):
         _exact(r, rank, case)
 
 
-@pytest.mark.parametrize("patched", (False, True))
-def test_hybrid_fully_reshardable_is_the_releases(worlds, patched, mcore_version):
-    """fully_reshardable hands the hybrid optimizer no step: the release restores it, and the fix
-    keeps that; before 0.19 the load stops earlier, in both halves, on another bug."""
-    for rank, r in enumerate(w["hybrid_fully_reshardable"] for w in worlds[patched]):
+def test_hybrid_fully_reshardable_is_exact(worlds, mcore_version):
+    """fully_reshardable hands the hybrid optimizer no step: the release restores it and the fixes
+    keep that; with every fix off, before 0.19 the load stops earlier, on another bug."""
+    for rank, r in enumerate(w["hybrid_fully_reshardable"] for w in worlds[True]):
+        _exact(r, rank, "hybrid_fully_reshardable")
+    for rank, r in enumerate(w["hybrid_fully_reshardable"] for w in worlds[False]):
         if mcore_version < Version("0.19.0"):
             assert r["phase"] == "load" and r["error"].startswith(WEIGHTS_ONLY), (rank, r["error"])
             assert "torch.optim.adamw.AdamW" in r["traceback"], r["traceback"]

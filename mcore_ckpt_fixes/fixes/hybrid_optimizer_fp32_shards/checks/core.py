@@ -40,9 +40,8 @@ updated by torch's ``AdamW`` on the CPU, as there. Before 0.17 ``OptimizerConfig
 Transformer Engine's version for the precision-aware optimizer, which raises without it: the check
 gets the answer 0.17 on gives without Transformer Engine (:func:`mcore_ckpt_fixes.testing.offload.precision_aware_without_te`). Before 0.19 the load
 of the checkpoint's common state refuses the optimizer classes the hybrid optimizer keeps in its
-parameter groups (torch's ``weights_only`` default; catalogued as
-hybrid-device-optimizer-common-state-unpickling, not this fix's): the load allows them
-(:func:`optimizer_classes`).
+parameter groups (torch's ``weights_only`` default): hybrid-optimizer-common-state, on by default,
+allows them.
 """
 
 from __future__ import annotations
@@ -242,15 +241,6 @@ def train_and_save(rt, case, formats, ckpt_dir, device):
     return paths, saved, local_state(model, opt)
 
 
-def optimizer_classes(opt) -> list:
-    """The classes the hybrid optimizer keeps in its parameter groups (its sub-optimizers' classes),
-    which the checkpoint's common state pickles: 0.16's load of that state (``torch.load`` with
-    torch's default ``weights_only=True``) accepts them only when allowed."""
-    return list(
-        {v for d in distributed(opt) for g in d.optimizer.param_groups for v in g.values() if isinstance(v, type)}
-    )
-
-
 def load_and_step(rt, case, fmt, path, saved, after, device):
     """A fresh target run loads ``path`` (the model, then the optimizer) and takes the next step."""
     from megatron.core import dist_checkpointing
@@ -258,8 +248,7 @@ def load_and_step(rt, case, fmt, path, saved, after, device):
     rt.phase("build")
     model, opt = build(TARGET_SEED, case, device)
     rt.phase("load")
-    with torch.serialization.safe_globals(optimizer_classes(opt)):
-        loaded = dist_checkpointing.load(_request(model, opt, fmt, True), path)
+    loaded = dist_checkpointing.load(_request(model, opt, fmt, True), path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     rt.compare(saved, local_state(model, opt), prefix=f"{fmt}/")

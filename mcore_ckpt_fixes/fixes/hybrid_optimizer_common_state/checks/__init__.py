@@ -1,0 +1,1 @@
+"""hybrid-optimizer-common-state, the round trips run by the tests and selftest (never by a job)."""

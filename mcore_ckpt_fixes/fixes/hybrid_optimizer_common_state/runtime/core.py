@@ -1,0 +1,106 @@
+"""hybrid-optimizer-common-state's monkeypatch on ``megatron.core.dist_checkpointing.strategies.common``:
+the release's common-state load, run with the optimizer classes Megatron-Core puts in a hybrid
+optimizer's param groups allowed; the probe and apply. Why: the package's docstring. Imported only
+when the target module is.
+
+0.17.0 on: a module function ``load_common`` (``serialization`` binds it by name); 0.15-0.16: the
+method ``TorchCommonLoadStrategy.load_common``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import types
+
+from ....engine.patching import Patcher, mark, original
+from .. import ID, MODULE
+
+STRATEGY = "TorchCommonLoadStrategy"
+
+
+# -- replacement --- the text from here to the end marker is what the source diff inserts into
+# megatron/core/dist_checkpointing/strategies/common.py, above the common-state load.
+
+
+def _hybrid_optimizer_classes():
+    """The optimizer classes a HybridDeviceOptimizer (--optimizer-cpu-offload) keeps in its param
+    groups, which a fully_reshardable save puts into common.pt: the ones megatron.core.optimizer
+    builds it from (TE's or Apex's FusedAdam where installed) and torch's own."""
+    import sys
+
+    import torch
+
+    found = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]
+    module = sys.modules.get("megatron.core.optimizer")
+    for name in ("Adam", "SGD", "CPUAdam", "CPUSGD"):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _allowing_optimizer_classes(load, *args, **kwargs):
+    """``load(*args, **kwargs)`` (a torch.load) with those classes allowed: since torch 2.6 torch.load
+    is weights_only by default and refuses any class it was not told about."""
+    import torch
+
+    with torch.serialization.safe_globals(_hybrid_optimizer_classes()):
+        return load(*args, **kwargs)
+
+
+# -- end of replacement ---
+
+
+@mark(ID)
+def load_common(checkpoint_dir):
+    """``load_common`` (0.17.0 on), with the hybrid optimizer's classes allowed."""
+    return _allowing_optimizer_classes(original(sys.modules[MODULE], "load_common"), checkpoint_dir)
+
+
+@mark(ID)
+def strategy_load_common(self, checkpoint_dir):
+    """``TorchCommonLoadStrategy.load_common`` (0.15-0.16), with the hybrid optimizer's classes allowed."""
+    cls = getattr(sys.modules[MODULE], STRATEGY)
+    return _allowing_optimizer_classes(original(cls, "load_common"), self, checkpoint_dir)
+
+
+def _release_load(module):
+    """The release's own common-state load (a function of the checkpoint directory), or None."""
+    cls = module.__dict__.get(STRATEGY)
+    if cls is not None and "load_common" in cls.__dict__:
+        return lambda path: original(cls, "load_common")(cls(), path)
+    if callable(module.__dict__.get("load_common")):
+        return original(module, "load_common")
+    return None
+
+
+def probe(module: types.ModuleType):
+    import pickle
+
+    import torch
+
+    load = _release_load(module)
+    if load is None:
+        return None, f"{MODULE} has no common-state load"
+    if not hasattr(torch.serialization, "safe_globals"):
+        return False, "torch has no weights_only allow-list (torch < 2.5): common.pt loads whole"
+    name = getattr(module, "COMMON_STATE_FNAME", "common.pt")
+    # What a hybrid optimizer's fully_reshardable save writes there (its param groups, their classes).
+    state = {"optimizer": {"optimizer": {"param_groups": [{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW}]}}}
+    with tempfile.TemporaryDirectory(prefix="mcore-ckpt-fixes-probe-") as tmp:
+        torch.save(state, os.path.join(tmp, name))
+        try:
+            load(tmp)
+        except pickle.UnpicklingError:
+            return True, "the common-state load refuses the optimizer classes in a hybrid optimizer's param groups"
+    return False, "the common-state load reads a hybrid optimizer's param groups"
+
+
+def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    cls = module.__dict__.get(STRATEGY)
+    if cls is not None and "load_common" in cls.__dict__:
+        patcher.replace(cls, "load_common", strategy_load_common)
+    else:
+        patcher.replace_function(module, "load_common", load_common)
