@@ -28,4 +28,5 @@ ORDER = (
     "hybrid-optimizer-fp32-params",
     "hybrid-optimizer-fp32-shards",
     "hybrid-optimizer-common-state",
+    "dist-optim-mixed-dtype-order",
 )

@@ -1,0 +1,1 @@
+"""dist-optim-mixed-dtype-order's round trips (test and selftest processes only)."""
