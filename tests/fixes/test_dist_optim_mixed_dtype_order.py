@@ -28,7 +28,7 @@ def worlds(tmp_path_factory, mcore_version):
 def test_registry():
     (scenario,) = for_fix(FIX.id)
     assert (scenario.func, scenario.nproc) == (f"{CORE}:equal_sizes", 2)
-    assert scenario.bug == {">=0.12.0,<=0.19.2": sc.SWAPPED}
+    assert scenario.bug == {">=0.15.0,<=0.19.2": sc.SWAPPED}
     assert (sc.SWAPPED.phase, sc.SWAPPED.error) == ("compare", SWAPPED)
 
 

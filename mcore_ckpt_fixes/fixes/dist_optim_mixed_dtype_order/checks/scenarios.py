@@ -20,9 +20,14 @@ SCENARIOS = (
         "equal_sizes",
         f"{_CORE}:equal_sizes",
         2,
-        {">=0.12.0,<=0.19.2": SWAPPED},
+        {">=0.15.0,<=0.19.2": SWAPPED},
         prepare=f"{_CORE}:prepare",
         devices=("cpu",),
+        # The fully_reshardable format (0.15.0 on): the layout that hands swapped state to a reader
+        # of another data-parallel size.
+        requires=(
+            "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fully_reshardable",
+        ),
         doc=(
             "bf16 and fp32 parameters of one shape in one group, the distributed optimizer: saved "
             "fully_reshardable with DP=2, loaded with DP=1, every parameter's main value and Adam "
