@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ....resume.fused_adam import optimizer_path
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, values, world
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, step, values, world
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
@@ -89,15 +89,6 @@ def build(case, seed):
         config, DistributedDataParallelConfig(use_distributed_optimizer=True), _module(case, config, seed)
     )
     return model, get_megatron_optimizer(optimizer_config(), [model])
-
-
-def step(model, opt, index):
-    model.zero_grad_buffer()
-    opt.zero_grad()
-    for name, p in model.module.named_parameters():
-        p.main_grad.copy_(values(SOURCE_SEED, "grad", index, name, shape=p.shape))
-    ok, _, _ = opt.step()
-    assert ok, "the optimizer skipped a step"
 
 
 def _own_shards(d):
@@ -166,16 +157,10 @@ def _save(rt, case, path):
         step(model, opt, i)
     rt["mispaired"] = mispaired(model, opt)
     rt.phase("save")
-    dist_checkpointing.save(_request(model, opt, CASES[case], False), path)
+    dist_checkpointing.save(request(model, opt, CASES[case], False), path)
     saved = full_state(model, opt)
     step(model, opt, STEPS)
     return saved, full_state(model, opt)
-
-
-def _request(model, opt, fmt, is_loading):
-    model_sd = model.module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": fmt}
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
 def _load(rt, case, path):
@@ -184,7 +169,7 @@ def _load(rt, case, path):
     model, opt = build(case, TARGET_SEED)
     step(model, opt, 100)
     rt.phase("load")
-    loaded = dist_checkpointing.load(_request(model, opt, CASES[case], True), path)
+    loaded = dist_checkpointing.load(request(model, opt, CASES[case], True), path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     rt["mispaired_target"] = mispaired(model, opt)

@@ -66,10 +66,16 @@ def strategy_load_common(self, checkpoint_dir):
     return _allowing_optimizer_classes(original(cls, "load_common"), self, checkpoint_dir)
 
 
+def _strategy(module):
+    """The class whose ``load_common`` method is the load (0.15-0.16), or None (0.17.0 on)."""
+    cls = module.__dict__.get(STRATEGY)
+    return cls if cls is not None and "load_common" in cls.__dict__ else None
+
+
 def _release_load(module):
     """The release's own common-state load (a function of the checkpoint directory), or None."""
-    cls = module.__dict__.get(STRATEGY)
-    if cls is not None and "load_common" in cls.__dict__:
+    cls = _strategy(module)
+    if cls is not None:
         return lambda path: original(cls, "load_common")(cls(), path)
     if callable(module.__dict__.get("load_common")):
         return original(module, "load_common")
@@ -99,8 +105,8 @@ def probe(module: types.ModuleType):
 
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    cls = module.__dict__.get(STRATEGY)
-    if cls is not None and "load_common" in cls.__dict__:
+    cls = _strategy(module)
+    if cls is not None:
         patcher.replace(cls, "load_common", strategy_load_common)
     else:
         patcher.replace_function(module, "load_common", load_common)

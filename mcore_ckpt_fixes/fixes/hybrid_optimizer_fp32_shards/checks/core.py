@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ....resume.fused_adam import optimizer_path
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, values, world
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, values, world
 from ....testing.offload import on_device, precision_aware_without_te
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -85,7 +85,7 @@ def build(seed, case, device):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
     dtype = CASES[case]
@@ -100,14 +100,9 @@ def build(seed, case, device):
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), gpt)
     if device is not None:
         device.register(model.module.parameters())
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-2,
-        weight_decay=0.01,
+    opt_config = optimizer_config(
+        bf16,
         clip_grad=CLIP_GRAD,
-        bf16=bf16,
-        params_dtype=dtype,
-        use_distributed_optimizer=True,
         use_precision_aware_optimizer=True,  # Megatron-LM requires it with --optimizer-cpu-offload
         optimizer_cpu_offload=True,
         optimizer_offload_fraction=1.0,  # Megatron-LM's default: every parameter's state on the CPU
@@ -207,12 +202,6 @@ def local_state(model, opt):
     return out
 
 
-def _request(model, opt, fmt, is_loading):
-    metadata = {"distrib_optim_sharding_type": fmt}
-    model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
-
-
 def train_and_save(rt, case, formats, ckpt_dir, device):
     """The source run: build, ``STEPS`` steps checked against :class:`Reference`, saved in each of
     ``formats``; returns ``(paths, saved state, the state after one more step)``."""
@@ -235,7 +224,7 @@ def train_and_save(rt, case, formats, ckpt_dir, device):
         if dist.get_rank() == 0:
             os.makedirs(paths[fmt], exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(_request(model, opt, fmt, False), paths[fmt])
+        dist_checkpointing.save(request(model, opt, fmt, False), paths[fmt])
     saved = local_state(model, opt)
     step(model, opt, STEPS)
     return paths, saved, local_state(model, opt)
@@ -248,7 +237,7 @@ def load_and_step(rt, case, fmt, path, saved, after, device):
     rt.phase("build")
     model, opt = build(TARGET_SEED, case, device)
     rt.phase("load")
-    loaded = dist_checkpointing.load(_request(model, opt, fmt, True), path)
+    loaded = dist_checkpointing.load(request(model, opt, fmt, True), path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     rt.compare(saved, local_state(model, opt), prefix=f"{fmt}/")
