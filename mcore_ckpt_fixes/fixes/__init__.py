@@ -29,4 +29,5 @@ ORDER = (
     "hybrid-optimizer-fp32-shards",
     "hybrid-optimizer-common-state",
     "dist-optim-mixed-dtype-order",
+    "rerun-state-strict-load",
 )

@@ -1,0 +1,1 @@
+"""rerun-state-strict-load's round trips (test and selftest processes only)."""
