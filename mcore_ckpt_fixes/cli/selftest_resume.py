@@ -55,12 +55,19 @@ def describe(mode_out) -> str:
     return f"inexact from {where} on rank {first['rank']}; ranks {ranks}; e.g. {', '.join(first['differ'][:3])}"
 
 
+def _unchanged(verdict) -> str:
+    """Run B with the fixes (it saves and trains on, never resumes) against the release's own run."""
+    if verdict["verdict"] == "exact":
+        return "the run that never resumes is the release's own, bit for bit (" + describe(verdict) + ")"
+    return "the fixes changed a run that never resumes: " + describe(verdict)
+
+
 def _print(rows, info, torch_version, device, total, code) -> None:
     from mcore_ckpt_fixes.resume.check import RESUME_AT, STEPS
 
     print(
         f"resume check: Megatron-Core {info.version} ({info.source}), torch {torch_version}, {device}; "
-        f"{STEPS} steps uninterrupted vs stopped after {RESUME_AT} and resumed in new processes"
+        f"{STEPS} steps uninterrupted (the release alone) vs saved after {RESUME_AT} and resumed in new processes"
     )
     for row in rows:
         print(f"  {row['config']}: {row['summary']}")
@@ -68,6 +75,8 @@ def _print(rows, info, torch_version, device, total, code) -> None:
             print(f"    not applicable: {row['not_applicable']}")
             continue
         print(f"    fixes on:  {describe(row['on'])}")
+        if "unchanged" in row["on"]:
+            print(f"    unchanged: {_unchanged(row['on']['unchanged'])}")
         if "known_bug" in row:
             print(
                 f"    known bug {row['known_bug']}, not fixed here yet (see the known-bugs catalogue); "
@@ -90,8 +99,12 @@ def _print(rows, info, torch_version, device, total, code) -> None:
 
 
 def _exact(row) -> bool:
-    """Counted in the verdict: exact with the fixes on (and with only its own fixes, where run)."""
-    return all(row[mode]["verdict"] == "exact" for mode in ("on", "only") if mode in row)
+    """Counted in the verdict: exact with the fixes on (and with only its own fixes, where run), and
+    the run that never resumes unchanged by them."""
+    unchanged = row.get("on", {}).get("unchanged", {"verdict": "exact"})
+    return unchanged["verdict"] == "exact" and all(
+        row[mode]["verdict"] == "exact" for mode in ("on", "only") if mode in row
+    )
 
 
 def _modes(cfg, known, attribution) -> tuple:

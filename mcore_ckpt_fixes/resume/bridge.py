@@ -176,7 +176,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     elif phase == "save":
         out["losses"] = _train(*train, 1, resume_at)
         _save(state, model, optimizer, scheduler)
-        return out  # the stopped run's state is not compared: the resumed run's is
+        out["losses"].update(_train(*train, resume_at + 1, steps))  # the run goes on after its save (job.py)
     else:
         iteration, out["load_warnings"] = _load(state, model, optimizer, scheduler)
         assert iteration == resume_at, f"Bridge's load_checkpoint returned step {iteration}, saved {resume_at}"

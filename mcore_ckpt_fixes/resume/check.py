@@ -1,11 +1,14 @@
-"""Run the resume check: uninterrupted (A), stopped after a save (B), resumed in new processes (C).
+"""Run the resume check: uninterrupted (A), saving and going on (B), resumed in new processes (C).
 
-Per configuration (:mod:`.configs`): run A trains ``steps`` steps; run B trains ``resume_at`` steps
-and saves through ``save_checkpoint``; run C is a new world of new processes that builds the same
-job, ``load_checkpoint`` s and trains the remaining steps. A and C are compared per rank, bit for
-bit (:mod:`.compare`). B and C run twice: with the fixes at their defaults and with every fix off
-(``MCORE_CKPT_FIXES=off``), so that the report says what the fixes change on this release; on
-request a third time with only the fixes the configuration declares it needs (``only``).
+Per configuration (:mod:`.configs`): run A is the release's own run, every fix off
+(``MCORE_CKPT_FIXES=off``), ``steps`` steps, no checkpoint; run B trains ``resume_at`` steps, saves
+through ``save_checkpoint`` and trains on to ``steps``, as a training run does; run C is a new world
+of new processes that builds the same job, ``load_checkpoint`` s and trains the remaining steps.
+Compared per rank, bit for bit (:mod:`.compare`): C with A (the resume is exact), and B with the
+fixes on with A over every step (``unchanged``: a run that never resumes is the same with the import
+as without it, its saves included). B and C run twice: with the fixes at their defaults and with
+every fix off, so that the report says what the fixes change on this release; on request a third
+time with only the fixes the configuration declares it needs (``only``).
 """
 
 from __future__ import annotations
@@ -73,18 +76,26 @@ def _world(cfg, phase, ckpt_dir, env, device, timeout):
     return [r.value for r in results], None, None
 
 
-def _mode(cfg, mode, uninterrupted, device, timeout):
-    """B then C with this mode's flags, C compared with A."""
+def _verdict(uninterrupted, values) -> dict:
     from .compare import rank_verdict
 
+    ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
+    return {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks}
+
+
+def _mode(cfg, mode, uninterrupted, device, timeout):
+    """B then C with this mode's flags, C compared with A; with the fixes on also B with A
+    (``unchanged``)."""
     ckpt_dir = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-")
+    out = {}
     try:
         for phase in ("save", "resume"):
             values, error, detail = _world(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
             if error:
-                return {"verdict": "error", "error": error, "detail": detail}
-        ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
-        return {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks}
+                return {"verdict": "error", "error": error, "detail": detail, **out}
+            if phase == "save" and mode == "on":
+                out["unchanged"] = _verdict(uninterrupted, values)
+        return {**_verdict(uninterrupted, values), **out}
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
 
@@ -121,15 +132,17 @@ def missing_requirement(cfg) -> str:
 
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     """One configuration's report: per mode its verdict and, per rank, what differs. Modes: ``on``
-    (every fix at its default), ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs``
-    on; the run C must be exact with them alone, so the fixes it needs are all it declares)."""
+    (every fix at its default; its ``unchanged`` entry: run B, which never resumes, against the
+    release's own run A), ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs`` on; the
+    run C must be exact with them alone, so the fixes it needs are all it declares)."""
     out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs)}
     why = missing_requirement(cfg)
     if why:  # never a pass: the row says why it did not run
         out["not_applicable"] = why
         return out
     out.update({"needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT})
-    uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["on"], device, timeout)
+    # The release's own run: what the import must not change, and what every resume must reach.
+    uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["off"], device, timeout)
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
         return out

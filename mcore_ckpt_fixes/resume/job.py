@@ -338,7 +338,9 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
         save_checkpoint(resume_at, [model], optimizer, scheduler, 0)
         dist.barrier()
-        return out  # the stopped run's state is not compared: the resumed run's is
+        # A training run goes on after its save: with the fixes on this is the run that never
+        # resumes, compared bit for bit with the release's own uninterrupted run (check.py).
+        out["losses"].update(_train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))
     else:
         # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
         # the check across releases reports what each load said.
@@ -421,8 +423,9 @@ def worker(cfg, device):
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     """One rank of one run (``phase``: ``uninterrupted``, ``save`` or ``resume``); a world entry point
-    for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and,
-    except for ``save``, its final state (:func:`snapshot`)."""
+    for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and
+    its final state (:func:`snapshot`); ``save`` saves after ``resume_at`` steps and trains on to
+    ``steps``, as a training run does."""
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     with worker(cfg, device) as cpu_gen:
         return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen)

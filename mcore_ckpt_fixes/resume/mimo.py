@@ -214,7 +214,7 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
     elif phase == "save":
         out["losses"] = train(1, resume_at)
         _collective(rt._save, _checkpointed(built, scheduler, resume_at), ckpt_dir, SHARDING_TYPE)
-        return out
+        out["losses"].update(train(resume_at + 1, steps))  # the run goes on after its save (job.py)
     else:
         ckpt = _checkpointed(built, scheduler, None)
         _, out["load_warnings"] = _collective(rt._load, ckpt, ckpt_dir, SHARDING_TYPE)

@@ -138,7 +138,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         with quiet():
             m.save_mcore_checkpoint(sargs, [model], optimizer, scheduler, iteration=resume_at, output_dir=ckpt_dir)
         dist.barrier()
-        return out  # the stopped run's state is not compared: the resumed run's is
+        out["losses"].update(job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))  # (job.py)
     else:
         iteration, out["load_warnings"] = _load(m, sargs, model, optimizer, scheduler)
         assert iteration == resume_at, f"ms-swift's load_mcore_checkpoint returned {iteration}, saved {resume_at}"

@@ -145,7 +145,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         with quiet():
             manager.save_checkpoint(_step_dir(ckpt_dir, resume_at), global_step=resume_at)
         dist.barrier()
-        return out  # the stopped run's state is not compared: the resumed run's is
+        out["losses"].update(job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))  # (job.py)
     else:
         out["load_warnings"] = _load(manager, _step_dir(ckpt_dir, resume_at))
         out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)

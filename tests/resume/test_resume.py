@@ -1,9 +1,10 @@
 """The resume check on this release line: with the fixes, every configuration resumes bit for bit;
 without them, exactly the configurations whose fixes this release needs diverge, where the bug is.
 
-Each configuration is checked once per line (module-scoped): run A (uninterrupted), then B (train
-and save) and C (new processes: load and continue) with the fixes at their defaults and with every
-fix off. What the CPU stand-ins are and why: mcore_ckpt_fixes/resume/job.py (torch's default
+Each configuration is checked once per line (module-scoped): run A (the release's own uninterrupted
+run, every fix off), then B (train, save and go on) and C (new processes: load and continue) with the
+fixes at their defaults and with every fix off. B with the fixes on never resumes: it must be A, bit
+for bit, over every step (the import changes nothing where the release works). What the CPU stand-ins are and why: mcore_ckpt_fixes/resume/job.py (torch's default
 generator plays the CUDA generator Megatron's tracker swaps; Apex FusedAdam's interface, since
 neither Apex nor Transformer Engine installs without CUDA; CUDA streams and ``device="cuda"``
 allocations on the CPU).
@@ -76,6 +77,21 @@ def test_exact_with_the_fixes(cfg):
         assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
         # A checkpoint the fixed release wrote itself loads without a word from the fixes.
         assert not [w for w in r["load_warnings"] if "MegatronPatchWarning" in w], r["load_warnings"]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_a_run_that_never_resumes_is_unchanged_by_the_fixes(cfg):
+    """B with every fix at its default (it saves after step 2 and trains on) against the release's
+    own run A (every fix off, no checkpoint): every loss of every step, every parameter, optimizer
+    tensor and scalar, the scheduler and every RNG stream, on every rank, the same bits."""
+    _needs_training()
+    out = _checked(cfg)["on"]
+    unchanged = out["unchanged"]
+    assert unchanged["verdict"] == "exact", resume_fail_text(unchanged)
+    assert len(unchanged["ranks"]) == cfg.world
+    for r in unchanged["ranks"]:
+        assert r["steps"] == list(range(1, resume.STEPS + 1)), r["steps"]  # every step, the saved ones too
+        assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
