@@ -115,28 +115,44 @@ def load(path: Optional[str] = None) -> List[dict]:
     return validate(data, ORDER)
 
 
-def affecting(version, bugs: Optional[List[dict]] = None) -> List[dict]:
-    """The entries whose ``affected`` range contains ``version`` (a string or packaging Version)."""
+def affecting(version, bugs: Optional[List[dict]] = None, probed: Optional[Dict[str, str]] = None) -> List[dict]:
+    """The entries whose ``affected`` range contains ``version`` (a string or packaging Version).
+
+    ``probed``: on a source checkout, whose version string may name a release its code does not
+    match, ``{fix id: state}`` as ``status`` reports it: an entry a fix covers affects the tree when
+    that fix's probe found the bug (``applied``) and not when it found the tree fixed
+    (``not-needed``); entries without a fix, or whose fix did not judge (disabled, left alone),
+    follow the range."""
     from packaging.specifiers import SpecifierSet
 
     bugs = load() if bugs is None else bugs
-    return [b for b in bugs if SpecifierSet(b["affected"]).contains(str(version), prereleases=True)]
+    probed = probed or {}
+
+    def affects(bug):
+        state = probed.get(bug.get("fix"))
+        if state in ("applied", "not-needed"):
+            return state == "applied"
+        return SpecifierSet(bug["affected"]).contains(str(version), prereleases=True)
+
+    return [b for b in bugs if affects(b)]
 
 
-def summary(version, bugs: Optional[List[dict]] = None) -> Dict[str, int]:
+def summary(version, bugs: Optional[List[dict]] = None, probed: Optional[Dict[str, str]] = None) -> Dict[str, int]:
     """How many catalogued bugs affect ``version``, per status (every status present, in order)."""
     counts = {s: 0 for s in STATUSES}
-    for bug in affecting(version, bugs):
+    for bug in affecting(version, bugs, probed):
         counts[bug["status"]] += 1
     return counts
 
 
-def status_line(version, bugs: Optional[List[dict]] = None) -> str:
-    """The line ``status`` prints; ``version`` None when no Megatron-Core version is known."""
+def status_line(version, bugs: Optional[List[dict]] = None, probed: Optional[Dict[str, str]] = None) -> str:
+    """The line ``status`` prints; ``version`` None when no Megatron-Core version is known;
+    ``probed`` on a checkout (:func:`affecting`)."""
     bugs = load() if bugs is None else bugs
     head = f"known bugs: {len(bugs)} catalogued"
     if version is None:
         return f"{head} (docs/known-bugs.md)"
-    counts = summary(version, bugs)
+    counts = summary(version, bugs, probed)
     parts = ", ".join(f"{n} {s.replace('-', ' ')}" for s, n in counts.items())
-    return f"{head}, {sum(counts.values())} affect Megatron-Core {version}: {parts} (docs/known-bugs.md)"
+    what = f"this checkout ({version}, by the probes' verdicts)" if probed else f"Megatron-Core {version}"
+    return f"{head}, {sum(counts.values())} affect {what}: {parts} (docs/known-bugs.md)"

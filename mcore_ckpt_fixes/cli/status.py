@@ -50,7 +50,7 @@ def _wrapped(reason: str, indent: int) -> list:
 
 def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> int:
     if known_bugs:
-        return run_known_bugs(as_json)
+        return run_known_bugs(as_json, import_targets_first)
     if import_targets_first:
         import_targets()
     rows = mcore_ckpt_fixes.report()
@@ -77,8 +77,16 @@ def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> 
         return 1
     from mcore_ckpt_fixes.known_bugs import status_line
 
-    print(status_line(info.version, bugs))
+    print(status_line(info.version, bugs, _probed(info, rows)))
     return 0
+
+
+def _probed(info, rows):
+    """On a source checkout, each fix's state: there the probes, not the version string, say which
+    catalogued bugs the tree has (None on a release wheel)."""
+    if info.source != "checkout":
+        return None
+    return {r["id"]: r["state"] for r in rows}
 
 
 def _catalogue():
@@ -93,18 +101,26 @@ def _catalogue():
         return None
 
 
-def run_known_bugs(as_json: bool) -> int:
+def run_known_bugs(as_json: bool, import_targets_first: bool = True) -> int:
     """``status --known-bugs``: the catalogued bugs that affect this release (all of them when no
     Megatron-Core is found), with the count per status."""
     from mcore_ckpt_fixes import known_bugs
 
-    version = detect().version
+    import mcore_ckpt_fixes
+
+    info = detect()
+    version = info.version
     bugs = _catalogue()
     if bugs is None:
         return 1
-    shown = bugs if version is None else known_bugs.affecting(version, bugs)
+    probed = None
+    if version is not None and info.source == "checkout":
+        if import_targets_first:  # the probes decide on a checkout: let them run
+            import_targets()
+        probed = _probed(info, mcore_ckpt_fixes.report())
+    shown = bugs if version is None else known_bugs.affecting(version, bugs, probed)
     if as_json:
-        counts = None if version is None else known_bugs.summary(version, bugs)
+        counts = None if version is None else known_bugs.summary(version, bugs, probed)
         out = {
             "megatron_core": None if version is None else str(version),
             "catalogued": len(bugs),
@@ -113,7 +129,7 @@ def run_known_bugs(as_json: bool) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(known_bugs.status_line(version, bugs))
+    print(known_bugs.status_line(version, bugs, probed))
     width = max((len(b["id"]) for b in shown), default=0)
     for b in shown:
         fix = f" by {b['fix']}" if "fix" in b else ""

@@ -4,9 +4,10 @@ States, per fix (aggregated over its targets):
   applied         the bug was found and the patch is in place
   pending         enabled, but a target module has not been imported yet (a post-import hook waits)
   not-needed      this release does not have the bug (outside the affected range, or the probe says fixed)
-  not-applicable  the feature the fix patches is absent from this release (or Megatron-Core is absent)
+  not-applicable  the feature the fix patches is absent from this release (or Megatron-Core is absent),
+                  or its probe could not judge the code it found (left alone, with the reason)
   disabled        switched off by a flag
-  failed          the probe or the patch raised; training goes on unpatched (MegatronPatchWarning)
+  failed          the patch raised; training goes on unpatched (MegatronPatchWarning)
   unimplemented   registered, not written yet: nothing is patched
 """
 
@@ -172,7 +173,11 @@ class _Engine:
                 )
                 hooks.when_settled(lambda: self._retry(fix, target, module))
                 return
-            self._fail(fix, target, f"probe raised {type(exc).__name__}: {exc}")
+            # Code the probe does not know (upstream reworked it, a checkout between releases): it
+            # cannot tell whether the bug is there, so the code is left alone, never patched blind.
+            self._left_alone(
+                fix, target, f"left alone: the probe could not judge this code ({type(exc).__name__}: {exc})"
+            )
             return
         if verdict is None:
             self._decide(fix, target, "not-applicable", why)
@@ -288,6 +293,13 @@ class _Engine:
             self.targets.setdefault(fix_id, {})[module_name] = TargetState(
                 "not-applicable", f"cannot import {module_name}: {reason}"
             )
+
+    def _left_alone(self, fix: Fix, target: Target, reason: str) -> None:
+        """Not patched because the probe could not judge the code: not applicable here, with the
+        reason; a ``require`` d fix raises, as when it fails."""
+        self._decide(fix, target, "not-applicable", reason)
+        if self.modes.get(fix.id) == "require":
+            raise FixRequiredError(f"required fix {fix.id} cannot apply on {target.module}: {reason}")
 
     def _fail(self, fix: Fix, target: Target, reason: str) -> None:
         self._decide(fix, target, "failed", reason)
