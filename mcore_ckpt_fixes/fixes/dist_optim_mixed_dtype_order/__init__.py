@@ -36,6 +36,9 @@ FIX = Fix(
         "parameters swapped)"
     ),
     affected=">=0.12.0,<=0.19.2",
-    upstream=("not reported upstream as of Megatron-Core 0.19.2 (megatron/core/optimizer/distrib_optimizer.py)",),
+    upstream=(
+        "NVIDIA/Megatron-LM#5835: fixed on upstream's dev branch (ceaa6c5d7e: the map renumbered in "
+        "DistributedOptimizer.__init__), in no release up to 0.19.2",
+    ),
     targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
 )
