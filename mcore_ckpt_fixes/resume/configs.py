@@ -37,6 +37,11 @@ class Config:
     # or "bare" (sharded_state_dict(model_sd), neither).
     optimizer_requests: str = "megatron"
     ckpt_format: str = "torch_dist"
+    # Megatron-LM's --dist-ckpt-strictness ("" its default, assume_ok_unexpected) and --rerun-mode
+    # ("": no rerun state machine set up, as a script that never calls initialize_megatron; Megatron-LM's
+    # own default is validate_results, set up as initialize_megatron does).
+    strictness: str = ""
+    rerun_mode: str = ""
     needs: Tuple[str, ...] = ()
     # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
     # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
@@ -136,6 +141,18 @@ CONFIGS = (
         world=2,
         decoupled_lr=0.03,
         needs=("param-group-identity",),
+    ),
+    Config(
+        "dense-dp2-strict-validate-results",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --rerun-mode validate_results (Megatron-LM's "
+        "default) and --dist-ckpt-strictness raise_all",
+        world=2,
+        strictness="raise_all",
+        rerun_mode="validate_results",
+        # 0.18+ writes the machine's idle entry at every save; on 0.17 only rerun-state-constant-structure
+        # does, so there the release alone resumes exactly.
+        needs=("rerun-state-strict-load",),
+        needs_releases=">=0.18",
     ),
     Config(
         "moe-ep2-bridge",

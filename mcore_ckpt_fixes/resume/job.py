@@ -155,10 +155,31 @@ def _args(cfg, ckpt_dir, steps):
         sys.argv = saved_argv
         if saved_arch is not None:
             arguments.get_device_arch_version = saved_arch
+    if cfg.strictness:
+        args.dist_ckpt_strictness = cfg.strictness
+    if cfg.rerun_mode:
+        args.rerun_mode = cfg.rerun_mode
     # Megatron-LM main saves tokenizer files beside a torch_dist checkpoint; this job has none.
     if getattr(args, "save_tokenizer_assets", False):
         args.save_tokenizer_assets = False
     return args
+
+
+def _rerun_machine(args):
+    """The process's rerun state machine as ``initialize_megatron`` sets it up (mode from the
+    arguments; its state save and restore are the RNG tracker's states)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+
+    def state_restore_func(state_dict):
+        if state_dict["rng_tracker_states"]:
+            tensor_parallel.get_cuda_rng_tracker().set_states(state_dict["rng_tracker_states"])
+
+    initialize_rerun_state_machine(
+        state_save_func=lambda: {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()},
+        state_restore_func=state_restore_func,
+        mode=RerunMode(args.rerun_mode),
+    )
 
 
 def _seed(args):
@@ -329,6 +350,8 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         expert_model_parallel_size=cfg.ep or 1,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
+    if cfg.rerun_mode:
+        _rerun_machine(args)
     _seed(args)
     model, optimizer, scheduler = _build(args, cfg)
     out = {"coords": _coords(), "losses": {}}
@@ -417,8 +440,12 @@ def worker(cfg, device):
         finally:
             from megatron.core import parallel_state as mpu
 
+            from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
             with contextlib.suppress(Exception):
                 mpu.destroy_model_parallel()
+            with contextlib.suppress(Exception):
+                destroy_rerun_state_machine()
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):

@@ -118,6 +118,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
         # load restores other main values and moments, silently.
         _assert_optimizer_state_silently_wrong(off)
         return
+    if out["needed_here"] == ["rerun-state-strict-load"]:
+        _assert_strict_load_rejects_the_idle_rerun_state(off)
+        return
     if out["needed_here"] == ["legacy-save-writers"]:
         _assert_legacy_file_never_written(off)
         return
@@ -138,6 +141,17 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
             assert r["first_step"] != first, resume_fail_text(off)
+
+
+def _assert_strict_load_rejects_the_idle_rerun_state(off):
+    """0.18+, every fix off: the save writes the rerun machine's idle entry, load_checkpoint leaves
+    it out of its request (no rerun to restore) and raise_all counts it missing on every rank
+    (NVIDIA/Megatron-LM#7428)."""
+    assert off["verdict"] == "error", resume_fail_text(off)
+    # The error's last line (what the check reports); its first line is in the traceback.
+    assert off["error"] == "resume run: rank 0: Missing keys (for all ranks): {'rerun_state_machine_state'}.", off
+    title = "CheckpointingException: Some keys found in the checkpoint are missing in the provided sharded state dict."
+    assert title in off["detail"] and "load_checkpoint" in off["detail"], off["detail"][-2000:]
 
 
 def _assert_legacy_file_never_written(off):
