@@ -61,6 +61,8 @@ def _assert_exact_everywhere(out):
 
 def test_bridge_resume_exact_with_the_fixes(checked):
     _assert_exact_everywhere(checked["on"])
+    # The run with the fixes that never resumes (it saves and trains on) is the release's own, bit for bit.
+    assert checked["on"]["unchanged"]["verdict"] == "exact", resume_fail_text(checked["on"]["unchanged"])
 
 
 def test_bridge_resume_exact_without_the_fixes(checked):

@@ -79,6 +79,8 @@ def checked(tmp_path_factory):
 def test_ms_swift_resume_exact_with_the_fixes(checked):
     out = checked["on"]
     assert out["verdict"] == "exact", resume_fail_text(out)
+    # The run with the fixes that never resumes (it saves and trains on) is the release's own, bit for bit.
+    assert out["unchanged"]["verdict"] == "exact", resume_fail_text(out["unchanged"])
     assert [(r["rank"], r["ep"]) for r in out["ranks"]] == [(0, 0), (1, 1)], out["ranks"]
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
