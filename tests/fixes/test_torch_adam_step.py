@@ -111,6 +111,27 @@ def test_probe_finds_the_three_defects(mcore_version):
         assert why.endswith("(this installation uses torch's Adam)"), why
 
 
+def test_probe_leaves_the_live_flag_alone(monkeypatch):
+    """On an installation with a FusedAdam (HAVE_APEX_OR_TE True) the probe still finds the torch-Adam
+    defects, by running copies of the release's methods that see the torch path's flag; the module's
+    own flag is never set to anything else, not even while the probe runs."""
+    import megatron.core.optimizer.distrib_optimizer as m
+
+    from mcore_ckpt_fixes.fixes.torch_adam_step.runtime import core
+
+    monkeypatch.setattr(m, "HAVE_APEX_OR_TE", True)
+    seen = []
+    stand_in = core._stand_in
+
+    def watching(*args, **kwargs):  # called while the probe runs the release's methods
+        seen.append(m.HAVE_APEX_OR_TE)
+        return stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(core, "_stand_in", watching)
+    assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)", "(d)"]
+    assert seen and set(seen) == {True}, seen
+
+
 def test_fused_adam_path_goes_to_the_release(monkeypatch):
     """With a FusedAdam (the step in the param groups) the wrappers hand every call to the release."""
     import torch

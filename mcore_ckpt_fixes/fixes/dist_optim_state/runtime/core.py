@@ -247,10 +247,15 @@ def defects(module) -> dict:
     return {**_request_defects(cls), **_load_defect(cls)}
 
 
+# What the probe found in each module it judged (by id), for apply: the probe runs once per decision.
+_PROBED: dict = {}
+
+
 def probe(module: types.ModuleType):
     if CLASS not in module.__dict__:
         return None, f"{MODULE} has no {CLASS}"
     found = defects(module)
+    _PROBED[id(module)] = found  # apply reads the verdict instead of probing again
     if not found:
         return False, "DistributedOptimizer describes and loads its whole state from every call shape"
     return True, f"DistributedOptimizer: {'; '.join(found.values())}"
@@ -258,7 +263,9 @@ def probe(module: types.ModuleType):
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
     cls = module.__dict__[CLASS]
-    found = defects(module)
+    found = _PROBED.pop(id(module), None)
+    if found is None:  # applied without the engine's probe first
+        found = defects(module)
     _DEFECTS.clear()
     _DEFECTS.update({name: True for name in found})
     if "fresh_request" in found or "default_format" in found:

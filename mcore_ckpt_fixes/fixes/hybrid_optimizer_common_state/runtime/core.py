@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import types
 
 from ....engine.patching import Patcher, mark, original
@@ -73,34 +72,68 @@ def _strategy(module):
 
 
 def _release_load(module):
-    """The release's own common-state load (a function of the checkpoint directory), or None."""
+    """The release's own common-state load as ``(function, takes_self)``, or None."""
     cls = _strategy(module)
     if cls is not None:
-        return lambda path: original(cls, "load_common")(cls(), path)
+        return original(cls, "load_common"), True
     if callable(module.__dict__.get("load_common")):
-        return original(module, "load_common")
+        return original(module, "load_common"), False
     return None
 
 
+class _InMemoryTorch:
+    """torch, but ``torch.load(path, ...)`` reads ``data`` from memory with the arguments the
+    release passes: the probe sees what torch makes of the release's own call, and writes no file."""
+
+    def __init__(self, torch, data):
+        self._torch, self._data = torch, data
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def load(self, path, *args, **kwargs):
+        import io
+
+        return self._torch.load(io.BytesIO(self._data), *args, **kwargs)
+
+
+def _read_in_memory(fn, takes_self, data):
+    """Run a copy of the release's ``fn`` whose globals name an in-memory torch (its own module's
+    globals are left as they are): the release's call, torch's real ``weights_only`` rules."""
+    import logging
+
+    import torch
+
+    stand_in = _InMemoryTorch(torch, data)
+    quiet = logging.getLogger("mcore_ckpt_fixes.probe.silent")  # 0.19 warns that load_common is deprecated
+    quiet.disabled = True
+    scope = dict(fn.__globals__, torch=stand_in, logger=quiet)
+    scope["maybe_msc"] = types.SimpleNamespace(torch=stand_in)  # 0.19 reads through maybe_msc.torch
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    path = os.path.join(os.sep, "mcore-ckpt-fixes-probe-reads-nothing")
+    return copy(object(), path) if takes_self else copy(path)
+
+
 def probe(module: types.ModuleType):
+    import io
     import pickle
 
     import torch
 
-    load = _release_load(module)
-    if load is None:
+    release = _release_load(module)
+    if release is None:
         return None, f"{MODULE} has no common-state load"
     if not hasattr(torch.serialization, "safe_globals"):
         return False, "torch has no weights_only allow-list (torch < 2.5): common.pt loads whole"
-    name = getattr(module, "COMMON_STATE_FNAME", "common.pt")
     # What a hybrid optimizer's fully_reshardable save writes there (its param groups, their classes).
     state = {"optimizer": {"optimizer": {"param_groups": [{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW}]}}}
-    with tempfile.TemporaryDirectory(prefix="mcore-ckpt-fixes-probe-") as tmp:
-        torch.save(state, os.path.join(tmp, name))
-        try:
-            load(tmp)
-        except pickle.UnpicklingError:
-            return True, "the common-state load refuses the optimizer classes in a hybrid optimizer's param groups"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        _read_in_memory(*release, buffer.getvalue())
+    except pickle.UnpicklingError:
+        return True, "the common-state load refuses the optimizer classes in a hybrid optimizer's param groups"
     return False, "the common-state load reads a hybrid optimizer's param groups"
 
 

@@ -12,6 +12,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.probing import with_globals
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -114,8 +115,10 @@ def own_step_tensors(states) -> None:
 
 
 def _release_method(cls, name):
+    """The release's method, run on torch's Adam path (``HAVE_APEX_OR_TE`` False in its globals
+    only: the live module keeps the flag its import set)."""
     fn = cls.__dict__[name]
-    return original(cls, name) if is_replacement(fn) else fn
+    return with_globals(original(cls, name) if is_replacement(fn) else fn, HAVE_APEX_OR_TE=False)
 
 
 def _stand_in(torch, step=None):
@@ -163,36 +166,31 @@ def _hybrid_defect(module, torch, set_states):
 
 
 def defects(module) -> list:
-    """Which of (a), (b), (c) the release's own code shows on torch's Adam (its flag set to the
-    torch path for the duration: the code is there whichever Adam this installation imports)."""
+    """Which of (a), (b), (c) the release's own code shows on torch's Adam (its methods run with the
+    torch path's flag: the code is there whichever Adam this installation imports)."""
     import torch
 
     cls = module.__dict__[CLASS]
-    saved = module.__dict__.get("HAVE_APEX_OR_TE")
-    module.HAVE_APEX_OR_TE = False
     found = []
+    opt, _, _ = _stand_in(torch)
     try:
-        opt, _, _ = _stand_in(torch)
-        try:
-            _release_method(cls, "state_dict")(opt)
-        except AssertionError:
-            found.append("(a) state_dict of a fresh optimizer asserts that one step exists")
-        set_states = torch.no_grad()(_release_method(cls, "_set_main_param_and_optimizer_states"))
-        loaded = {"param": torch.ones(2), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
-        opt, model_param, main_param = _stand_in(torch, step=3.0)
-        set_states(opt, model_param, {**loaded, "step": torch.tensor(1.0)})
-        if float(opt.optimizer.state[main_param]["step"]) != 3.0:
-            found.append("(b) a per-parameter step in the loaded state overwrites the param groups' step")
-        opt, model_param, main_param = _stand_in(torch, step=3.0)
-        try:
-            set_states(opt, model_param, loaded)
-        except KeyError:
-            found.append("(c) a loaded state without per-parameter step raises KeyError: 'step'")
-        hybrid = _hybrid_defect(module, torch, set_states)
-        if hybrid:
-            found.append(hybrid)
-    finally:
-        module.HAVE_APEX_OR_TE = saved
+        _release_method(cls, "state_dict")(opt)
+    except AssertionError:
+        found.append("(a) state_dict of a fresh optimizer asserts that one step exists")
+    set_states = torch.no_grad()(_release_method(cls, "_set_main_param_and_optimizer_states"))
+    loaded = {"param": torch.ones(2), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+    opt, model_param, main_param = _stand_in(torch, step=3.0)
+    set_states(opt, model_param, {**loaded, "step": torch.tensor(1.0)})
+    if float(opt.optimizer.state[main_param]["step"]) != 3.0:
+        found.append("(b) a per-parameter step in the loaded state overwrites the param groups' step")
+    opt, model_param, main_param = _stand_in(torch, step=3.0)
+    try:
+        set_states(opt, model_param, loaded)
+    except KeyError:
+        found.append("(c) a loaded state without per-parameter step raises KeyError: 'step'")
+    hybrid = _hybrid_defect(module, torch, set_states)
+    if hybrid:
+        found.append(hybrid)
     return found
 
 
