@@ -30,4 +30,5 @@ ORDER = (
     "hybrid-optimizer-common-state",
     "dist-optim-mixed-dtype-order",
     "rerun-state-strict-load",
+    "scheduler-override-group-lr",
 )

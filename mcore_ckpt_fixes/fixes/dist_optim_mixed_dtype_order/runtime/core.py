@@ -97,6 +97,55 @@ def checkpoint_mispairs(module) -> bool:
     (nothing in the module is changed); the release's methods it runs are its originals."""
     import torch
 
+    probe_cls, optimizer_cls, on_device = _stand_in_classes(module, torch)
+    half = on_device(torch.full((4,), 1.0, dtype=torch.bfloat16))
+    full = on_device(torch.full((4,), 2.0))
+    ddp_config = types.SimpleNamespace(use_custom_fsdp=False, use_megatron_fsdp=False, use_distributed_optimizer=True)
+
+    def buffer(param):  # a grad buffer holding one parameter, with no buckets
+        key = (param.dtype, torch.float32)
+        return types.SimpleNamespace(
+            param_dtype=param.dtype,
+            grad_dtype=torch.float32,
+            buckets=[],
+            params=[],
+            ddp_config=ddp_config,
+            range_map={key: [{"param_map": {param: {"param": module.Range(0, 4)}}}]},
+        )
+
+    config = types.SimpleNamespace(
+        use_precision_aware_optimizer=False,
+        use_precision_aware_optimizer_no_fp8_or_ds_fp8=False,
+        optimizer_cpu_offload=False,
+        chunked_optimizer_state_offload=False,
+        optimizer_state_offload_fraction=0.0,
+        fp8_recipe=None,
+        fp16=False,
+        bf16=True,
+    )
+    inst = probe_cls(
+        optimizer=optimizer_cls([{"params": [half, full]}]),
+        config=config,
+        grad_scaler=None,
+        init_state_fn=None,
+        model_chunks=[types.SimpleNamespace(ddp_config=ddp_config)],
+        per_model_buffers={0: [buffer(half), buffer(full)]},  # bf16 first in the buffers
+        data_parallel_group=None,
+        data_parallel_group_gloo=None,
+        data_parallel_group_idx=0,
+        distributed_optimizer_instance_id=0,
+    )
+    for param in (half, full):
+        main = inst._get_main_param_and_optimizer_states(param)["param"]
+        if not torch.equal(main.float(), param.detach().float()):
+            return True
+    return False
+
+
+def _stand_in_classes(module, torch):
+    """The probe's subclass of the release's DistributedOptimizer (MixedPrecisionOptimizer's CUDA
+    set-up skipped, gradient-buffer range maps given), an inner optimizer of the release's Adam type,
+    and parameters that report CUDA type names."""
     cls = module.__dict__[CLASS]
     mixed_base = cls.__mro__[1]  # MixedPrecisionOptimizer
 
@@ -129,49 +178,7 @@ def checkpoint_mispairs(module) -> bool:
     for name in RELEASE_METHODS:  # a wrapper that finds its original by class never sees _Probe
         if name in cls.__dict__:
             setattr(_Probe, name, original(cls, name))
-
-    half = _OnDevice(torch.full((4,), 1.0, dtype=torch.bfloat16))
-    full = _OnDevice(torch.full((4,), 2.0))
-    ddp_config = types.SimpleNamespace(use_custom_fsdp=False, use_megatron_fsdp=False, use_distributed_optimizer=True)
-
-    def buffer(param):  # a grad buffer holding one parameter, with no buckets
-        key = (param.dtype, torch.float32)
-        return types.SimpleNamespace(
-            param_dtype=param.dtype,
-            grad_dtype=torch.float32,
-            buckets=[],
-            params=[],
-            ddp_config=ddp_config,
-            range_map={key: [{"param_map": {param: {"param": module.Range(0, 4)}}}]},
-        )
-
-    config = types.SimpleNamespace(
-        use_precision_aware_optimizer=False,
-        use_precision_aware_optimizer_no_fp8_or_ds_fp8=False,
-        optimizer_cpu_offload=False,
-        chunked_optimizer_state_offload=False,
-        optimizer_state_offload_fraction=0.0,
-        fp8_recipe=None,
-        fp16=False,
-        bf16=True,
-    )
-    inst = _Probe(
-        optimizer=_Optimizer([{"params": [half, full]}]),
-        config=config,
-        grad_scaler=None,
-        init_state_fn=None,
-        model_chunks=[types.SimpleNamespace(ddp_config=ddp_config)],
-        per_model_buffers={0: [buffer(half), buffer(full)]},  # bf16 first in the buffers
-        data_parallel_group=None,
-        data_parallel_group_gloo=None,
-        data_parallel_group_idx=0,
-        distributed_optimizer_instance_id=0,
-    )
-    for param in (half, full):
-        main = inst._get_main_param_and_optimizer_states(param)["param"]
-        if not torch.equal(main.float(), param.detach().float()):
-            return True
-    return False
+    return _Probe, _Optimizer, _OnDevice
 
 
 def probe(module: types.ModuleType):

@@ -1,0 +1,1 @@
+"""scheduler-override-group-lr's round trips (test and selftest processes only)."""

@@ -1,0 +1,94 @@
+"""scheduler-override-group-lr: both halves on the affected CI lines (0.16.1 through
+dist_checkpointing; 0.17.1 and 0.18.2 also through megatron.training), one warm world each; 0.19
+matches saved groups by max_lr and refuses a changed --lr at load (catalogued apart).
+
+World 2 (gloo on CPU): the distributed optimizer with a decoupled group and Megatron's scheduler saved
+with --lr 0.01 --min-lr 0.001 --decoupled-lr 0.03, loaded with --lr 0.02 --min-lr 0.002
+--decoupled-lr 0.05 and --override-opt-param-scheduler; every group's max_lr, min_lr and lr against
+a scheduler with the new arguments after the same steps, no load. See
+mcore_ckpt_fixes/fixes/scheduler_override_group_lr/checks/core.py.
+"""
+
+import pytest
+from fix_worlds import both_halves
+
+from mcore_ckpt_fixes.fixes.scheduler_override_group_lr import FIX
+from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks import scenarios as sc
+from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core import NEW, OLD
+from mcore_ckpt_fixes.testing import for_fix
+
+CORE = "mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core"
+MODULE = "megatron.core.optimizer_param_scheduler"
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, mcore_version):
+    return both_halves(
+        FIX,
+        f"{CORE}:round_trip",
+        {"MCORE_CKPT_FIX_SCHEDULER_OVERRIDE_GROUP_LR": "off"},
+        tmp_path_factory,
+        mcore_version,
+    )
+
+
+def _paths(mcore_version):
+    return ("dist/", "training/") if mcore_version.release >= (0, 17) else ("dist/",)
+
+
+def test_registry():
+    (s,) = for_fix(FIX.id)
+    assert (s.name, s.func, s.nproc, s.bug) == ("override_after_load", f"{CORE}:round_trip", 2, sc.OLD_SCHEDULE)
+
+
+def test_unpatched_groups_keep_the_saved_schedule(worlds, mcore_version):
+    for rank, r in enumerate(worlds[False]):
+        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
+        assert (r["phase"], r["error"]) == (sc.OLD_SCHEDULE.phase, sc.OLD_SCHEDULE.error), (rank, r.get("traceback"))
+        # Every group's max_lr is still a saved value, none the new one (silently: the load completed).
+        saved = {OLD["lr"], OLD["decoupled_lr"]}
+        assert {r["groups"][k] for k in r["groups"] if k.endswith("/max_lr")} <= saved, r["groups"]
+        for path in _paths(mcore_version):
+            assert any(k.startswith(path) and d != 0.0 for k, d in r["max_delta"].items()), (path, r["max_delta"])
+    assert sc.SCENARIOS[0].bug_for(mcore_version).seen_in(worlds[False])
+
+
+def test_patched_groups_follow_the_new_schedule(worlds, mcore_version):
+    for rank, r in enumerate(worlds[True]):
+        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        assert set(r["max_delta"].values()) == {0.0}, r["max_delta"]
+        assert {p for p in _paths(mcore_version)} == {k.split("/")[0] + "/" for k in r["max_delta"]}, r["max_delta"]
+        # The decoupled group keeps its own new value; the others take the new --lr.
+        max_lrs = sorted(v for k, v in r["groups"].items() if k.endswith("/max_lr"))
+        assert set(max_lrs) == {NEW["lr"], NEW["decoupled_lr"]}, r["groups"]
+
+
+def test_without_override_nothing_changes(mcore_version):
+    """Without --override-opt-param-scheduler the groups keep what the load restored, as the release."""
+    if mcore_version not in FIX.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    import types
+
+    import mcore_ckpt_fixes
+
+    mcore_ckpt_fixes.apply()
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0, "max_lr": 0.01, "min_lr": 0.0}])
+    kwargs = dict(init_lr=0.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10, lr_decay_style="constant",
+                  start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")  # fmt: skip
+    saved = OptimizerParamScheduler(opt, max_lr=0.01, **kwargs).state_dict()
+    run = OptimizerParamScheduler(opt, max_lr=0.01, use_checkpoint_opt_param_scheduler=True, **kwargs)
+    opt.param_groups = [{"lr": 0.0, "weight_decay": 0.0, "max_lr": 0.03, "min_lr": 0.0}]  # as a load restores them
+    run.load_state_dict(saved)
+    assert opt.param_groups[0]["max_lr"] == 0.03 and opt.param_groups[0]["lr"] == 0.03, opt.param_groups
+
+
+def test_probe(mcore_version):
+    import megatron.core.optimizer_param_scheduler as m
+
+    from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.runtime import core
+
+    verdict, why = core.probe(m)
+    assert verdict is True, why  # the scheduler's code is the same on every line; 0.19 gates by range
