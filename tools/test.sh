@@ -59,6 +59,15 @@ for rel in "${releases[@]}"; do
   if [ -z "$explicit" ] && [ ${#pytest_args[@]} -eq 0 ] && [ "$rel" != "$ONE_LINE" ]; then
     select=(-m "not gpu and not one_line")
   fi
+  only=$(awk -v r="$rel" '$1==r && $3 ~ /^fixes=/ {sub(/^fixes=/, "", $3); print $3; exit}' tools/releases.txt)
+  if [ -n "$only" ] && [ ${#pytest_args[@]} -eq 0 ]; then
+    # Only these fixes' tests: each fix's own file, its source diffs and its lifecycle.
+    paths=(tests/patches tests/engine/test_lifecycle.py); expr=""
+    for id in ${only//,/ }; do
+      paths+=("tests/fixes/test_${id//-/_}.py"); expr+="${expr:+ or }${id//-/_} or $id"
+    done
+    select=(-m "not gpu" "${paths[@]}" -k "$expr")
+  fi
   echo "=== Megatron-Core $rel (Python $py)${select[*]:+, one-line tests on $ONE_LINE only} ==="
   start=$(date +%s)
   PYTHONPATH="$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 \

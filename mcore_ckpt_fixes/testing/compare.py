@@ -5,14 +5,28 @@ from __future__ import annotations
 import hashlib
 
 
+# What a tensor that differs only in its bits counts as (a -0.0 for a 0.0, another NaN payload):
+# the smallest positive float, so that 0.0 always means "the same bytes".
+BITS_DIFFER = 5e-324
+
+
 def max_abs_delta(expected, got) -> float:
-    """The largest absolute difference between two tensors; ``inf`` when their shapes differ
-    (a rank that loaded another layout did not load what it saved); 0.0 for two empty tensors."""
-    if tuple(expected.shape) != tuple(got.shape):
+    """0.0 when the two tensors have the same dtype, shape and bytes; else the largest absolute
+    difference of their values, at least :data:`BITS_DIFFER` (values equal but bits not: a signed
+    zero, a NaN's payload); ``inf`` when their shapes or dtypes differ (a rank that loaded another
+    layout or precision did not load what it saved). Two empty tensors of one dtype: 0.0."""
+    import torch
+
+    if tuple(expected.shape) != tuple(got.shape) or expected.dtype != got.dtype:
         return float("inf")
-    if expected.numel() == 0:
+    a, b = expected.detach().cpu().contiguous(), got.detach().cpu().contiguous()
+    if a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
         return 0.0
-    return float((expected.detach().cpu().double() - got.detach().cpu().double()).abs().max())
+    if a.is_floating_point() or a.is_complex():
+        delta = float((a.double() - b.double()).abs().max())
+    else:
+        delta = float((a.long() - b.long()).abs().max()) if a.dtype != torch.bool else 1.0
+    return delta if delta > 0.0 else BITS_DIFFER
 
 
 def worst(deltas) -> float:

@@ -148,7 +148,10 @@ def in_place(fix_id, modules):
             where = (
                 owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
             )
-            found.add(f"{where}.{attr} = {value.__module__}.{value.__qualname__}")
+            # A replacement module (numpy2-product's NumPy) is named by itself: its module
+            # __getattr__ would send __module__ on to NumPy.
+            what = value.__name__ if isinstance(value, types.ModuleType) else f"{value.__module__}.{value.__qualname__}"
+            found.add(f"{where}.{attr} = {what}")
     return sorted(found)
 
 
