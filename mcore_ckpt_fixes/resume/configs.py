@@ -42,6 +42,8 @@ class Config:
     # own default is validate_results, set up as initialize_megatron does).
     strictness: str = ""
     rerun_mode: str = ""
+    # More of Megatron-LM's checkpoint options, as given on its command line (save and resume alike).
+    extra_args: Tuple[str, ...] = ()
     needs: Tuple[str, ...] = ()
     # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
     # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
@@ -153,6 +155,24 @@ CONFIGS = (
         # does, so there the release alone resumes exactly.
         needs=("rerun-state-strict-load",),
         needs_releases=">=0.18",
+    ),
+    Config(
+        "dense-dp2-fully-parallel-load",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --ckpt-fully-parallel-load",
+        world=2,
+        extra_args=("--ckpt-fully-parallel-load",),
+    ),
+    Config(
+        "dense-dp2-no-fully-parallel-save",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --no-ckpt-fully-parallel-save",
+        world=2,
+        extra_args=("--no-ckpt-fully-parallel-save",),
+    ),
+    Config(
+        "dense-dp2-constant-structure",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --ckpt-assume-constant-structure",
+        world=2,
+        extra_args=("--ckpt-assume-constant-structure",),
     ),
     Config(
         "moe-ep2-bridge",

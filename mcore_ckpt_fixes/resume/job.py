@@ -113,7 +113,7 @@ def _argv(cfg, ckpt_dir, steps):
         argv.append("--dist-ckpt-optim-fully-reshardable")
     if cfg.decoupled_lr is not None:
         argv += ["--decoupled-lr", str(cfg.decoupled_lr)]
-    return argv
+    return argv + list(cfg.extra_args)
 
 
 def _moe_argv(cfg):
