@@ -157,6 +157,17 @@ CONFIGS = (
         needs_releases=">=0.18",
     ),
     Config(
+        "dense-dp2-override-scheduler",
+        "dense GPT, DP=2, --decoupled-lr, --override-opt-param-scheduler, distributed optimizer (dp_reshardable): "
+        "the same schedule on resume (a changed one is scheduler-override-group-lr's round trip)",
+        world=2,
+        decoupled_lr=0.03,
+        extra_args=("--override-opt-param-scheduler",),
+        # Up to 0.18 the decoupled group loads the other group's saved state without the fix (the
+        # override does not change that: the groups come back before the scheduler).
+        needs=("param-group-identity",),
+    ),
+    Config(
         "dense-dp2-fully-parallel-load",
         "dense GPT, DP=2, distributed optimizer (dp_reshardable), --ckpt-fully-parallel-load",
         world=2,
