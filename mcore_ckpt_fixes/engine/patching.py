@@ -9,7 +9,9 @@ Rules every fix relies on:
   even after ``revert()``: a caller that captured the replacement earlier still reaches the
   original through :func:`original`.
 * A replacement carries ``__mcore_ckpt_fix__`` so a second apply can see it is already in place and
-  never stacks a second layer.
+  never stacks a second layer. Another fix's replacement in the same place is refused at apply, with
+  both fixes named: two fixes on one attribute would need layers that call each other, which the
+  engine does not build (one fix may wrap an attribute; that fix covers every defect there).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ def original(owner, name: str):
     return current
 
 
+class ReplacementConflict(RuntimeError):
+    """Two fixes replace one attribute."""
+
+
 class _Record:
     __slots__ = ("owner", "name", "before", "after")
 
@@ -85,7 +91,13 @@ class Patcher:
         """Set ``owner.name = new`` (owner: module or class), remembering what was there."""
         before = owner.__dict__.get(name, _MISSING)
         if before is not _MISSING and is_replacement(before):
-            return  # already ours: one layer only
+            holder = getattr(before, MARK)
+            if holder == self.fix_id or before is new:
+                return  # already in place (ours, or a replacement several fixes share): one layer only
+            raise ReplacementConflict(
+                f"{getattr(owner, '__name__', owner)}.{name} already holds {holder}'s replacement; "
+                f"{self.fix_id} cannot replace it too"
+            )
         if before is _MISSING and not hasattr(owner, name):
             raise AttributeError(f"{getattr(owner, '__name__', owner)} has no attribute {name!r}")
         key = _key(owner, name)
