@@ -2,7 +2,7 @@
 
     python tools/resume_across.py [--main TREE [--main-commit HASH]] [--keep DIR]
 
-Per pair and configuration below, ``python -m mcore_ckpt_fixes.resume.across save`` runs in the
+Per pair and configuration below, ``python -m mcore_ckpt_fixes.cli.resume_across save`` runs in the
 saving release's environment (A and B) and ``... resume`` in the resuming one (C, compared with A
 bit for bit; where it differs, also with the resuming release's own A, to tell a lossy checkpoint
 from changed training math). ``--main TREE``: also the rows resumed on a Megatron-LM source tree
@@ -66,7 +66,7 @@ def _run(release, main_tree, args, log):
     python, env = _env(release, main_tree)
     with open(log, "w") as f:
         return subprocess.run(
-            [python, "-m", "mcore_ckpt_fixes.resume.across", *args],
+            [python, "-m", "mcore_ckpt_fixes.cli.resume_across", *args],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import job
+from ..testing import gpt_job as job
 from ..testing.quiet import quiet
 
 MODULE = "megatron.bridge.training.checkpointing"

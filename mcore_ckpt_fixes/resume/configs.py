@@ -1,7 +1,7 @@
 """The configurations the resume check trains, stops and resumes.
 
 Each is a small GPT trained through Megatron's own model, DDP, distributed optimizer, scheduler and
-``megatron.training.checkpointing`` (:mod:`.job`), unless ``job`` names another (the MIMO model's,
+``megatron.training.checkpointing`` (:mod:`mcore_ckpt_fixes.testing.gpt_job`), unless ``job`` names another (the MIMO model's,
 Megatron-Bridge's, verl's and ms-swift's save and load). ``needs`` names the fixes without which the
 configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
 fixes-off run diverges exactly there, and only there.
@@ -9,51 +9,10 @@ fixes-off run diverges exactly there, and only there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 from ..fixes.mimo_optimizer.checks.scenarios import MIMO_SAVE_SIDE
-
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    summary: str
-    world: int
-    tp: int = 1
-    ep: int = 0  # expert-parallel size (0: a dense model)
-    etp: int = 0  # expert-tensor-parallel size (0: Megatron's default, the TP size)
-    distributed_optimizer: bool = True
-    optim_format: str = "dp_reshardable"  # how the distributed optimizer's state is saved
-    # DDP's bucket size (elements) with overlap_grad_reduce, as --overlap-grad-reduce --ddp-bucket-size
-    # (several buckets per gradient buffer); None: one bucket, no overlap.
-    ddp_bucket_size: Optional[int] = None
-    # Megatron-LM's --decoupled-lr (the embedding and output layer's own learning rate), or None.
-    decoupled_lr: Optional[float] = None
-    fused_adam: bool = True  # Megatron's GPU optimizer path (Apex FusedAdam's interface)
-    # How the distributed optimizer's checkpoint requests are built: "megatron" as
-    # megatron.training's save_checkpoint / load_checkpoint build them (is_loading, metadata); as
-    # third-party trainers build them: "without-is-loading" (metadata passed on, is_loading never)
-    # or "bare" (sharded_state_dict(model_sd), neither).
-    optimizer_requests: str = "megatron"
-    ckpt_format: str = "torch_dist"
-    # Megatron-LM's --dist-ckpt-strictness ("" its default, assume_ok_unexpected) and --rerun-mode
-    # ("": no rerun state machine set up, as a script that never calls initialize_megatron; Megatron-LM's
-    # own default is validate_results, set up as initialize_megatron does).
-    strictness: str = ""
-    rerun_mode: str = ""
-    # More of Megatron-LM's checkpoint options, as given on its command line (save and resume alike).
-    extra_args: Tuple[str, ...] = ()
-    needs: Tuple[str, ...] = ()
-    # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
-    # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
-    needs_releases: str = ""
-    job: str = "mcore_ckpt_fixes.resume.job:run"  # one rank of one run
-    requires: str = ""  # a module the release must have, else the configuration is not applicable
-
-    @property
-    def dp(self) -> int:
-        return self.world // self.tp
+from ..testing.job_config import Config
 
 
 CONFIGS = (

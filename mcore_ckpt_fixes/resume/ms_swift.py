@@ -42,7 +42,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import job
+from ..testing import gpt_job as job
 from ..testing.quiet import quiet
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"

@@ -2,7 +2,7 @@
 not applicable on 0.16.1 (no megatron.training).
 
 World 2 laid out TP=2, EP=1, expert TP=1 (expert-DP size 2: TP rank 1 has expert-DP rank 1), gloo on
-CPU, the resume check's MoE GPT (mcore_ckpt_fixes/resume/job.py, configuration moe-tp2-etp1-legacy,
+CPU, the resume check's MoE GPT (mcore_ckpt_fixes/testing/gpt_job.py, configuration moe-tp2-etp1-legacy,
 with its CPU stand-ins), saved and loaded by megatron.training's own save_checkpoint /
 load_checkpoint in the legacy torch format. See mcore_ckpt_fixes/fixes/legacy_save_writers/checks/core.py.
 """

@@ -13,7 +13,7 @@ Without the fixes it resumes exactly too: Bridge 0.6.2 keys its ``torch_dist`` R
 (pp, tp, dp_cp) with ``replica_id=0`` when EP > 1 (``get_rng_state``), so EP rank 1 restores its own
 streams (rng-under-ep's Bridge target is its ``fsdp_dtensor`` entry, which needs Megatron-FSDP's CUDA
 buffers and is checked by tests/frameworks/test_bridge.py's round trips), and the distributed
-optimizer on the FusedAdam path needs no fix. Stand-ins: those of mcore_ckpt_fixes/resume/job.py, and
+optimizer on the FusedAdam path needs no fix. Stand-ins: those of mcore_ckpt_fixes/testing/gpt_job.py, and
 Transformer Engine for importing Bridge (mcore_ckpt_fixes/testing/standins.py).
 """
 

@@ -17,7 +17,7 @@ step is exact (the next differs: gradients are reduced across the EP ranks).
 
 The check runs in a subprocess: ms-swift's import patches torch's DCP reader process-wide, so it is
 imported there (once, before the worlds fork) and never in this process, as in test_ms_swift.py.
-Stand-ins: those of mcore_ckpt_fixes/resume/job.py, and Transformer Engine around ``mcore_bridge``'s
+Stand-ins: those of mcore_ckpt_fixes/testing/gpt_job.py, and Transformer Engine around ``mcore_bridge``'s
 import (mcore_ckpt_fixes/resume/ms_swift.py).
 """
 

@@ -13,7 +13,7 @@ Without them: verl's ``get_rng_state`` keys the ``torch_dist`` RNG entry by (pp,
 data-parallel rank as replica id, so EP rank 1 resumes on EP rank 0's streams: its first resumed step
 differs and its expert-parallel stream ends elsewhere, while EP rank 0's first resumed step is exact
 (the next differs: gradients are reduced across the EP ranks). Stand-ins: those of
-mcore_ckpt_fixes/resume/job.py, and verl's device probes answering as on a CUDA host, so that verl
+mcore_ckpt_fixes/testing/gpt_job.py, and verl's device probes answering as on a CUDA host, so that verl
 saves the (stood-in) CUDA generator as it does on a GPU (mcore_ckpt_fixes/resume/verl.py).
 """
 

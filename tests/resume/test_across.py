@@ -1,4 +1,4 @@
-"""The resume check across releases (mcore_ckpt_fixes/resume/across.py), on this line: a checkpoint
+"""The resume check across releases (mcore_ckpt_fixes/cli/resume_across.py), on this line: a checkpoint
 saved with every fix off, resumed with the fixes on, as after upgrading to the import.
 
 Save and resume meet only through the directory (A's results pickled, B's checkpoint, what saved
@@ -14,7 +14,8 @@ import pytest
 
 from conftest import megatron_version
 
-from mcore_ckpt_fixes.resume import across, check
+from mcore_ckpt_fixes.cli import resume_across as across
+from mcore_ckpt_fixes.resume import check
 from mcore_ckpt_fixes.resume.configs import by_name
 
 OLD_LAYOUT = "rng-under-ep: {} stores the RNG state in the old 2-D (pp, tp) layout of an unfixed Megatron-Core"

@@ -4,7 +4,7 @@ without them, exactly the configurations whose fixes this release needs diverge,
 Each configuration is checked once per line (module-scoped): run A (the release's own uninterrupted
 run, every fix off), then B (train, save and go on) and C (new processes: load and continue) with the
 fixes at their defaults and with every fix off. B with the fixes on never resumes: it must be A, bit
-for bit, over every step (the import changes nothing where the release works). What the CPU stand-ins are and why: mcore_ckpt_fixes/resume/job.py (torch's default
+for bit, over every step (the import changes nothing where the release works). What the CPU stand-ins are and why: mcore_ckpt_fixes/testing/gpt_job.py (torch's default
 generator plays the CUDA generator Megatron's tracker swaps; Apex FusedAdam's interface, since
 neither Apex nor Transformer Engine installs without CUDA; CUDA streams and ``device="cuda"``
 allocations on the CPU).
@@ -295,7 +295,7 @@ def test_the_rng_stand_in_really_swaps_what_dropout_draws():
 
     if torch.cuda.is_available():
         pytest.skip("the stand-in is used only without CUDA")
-    (got,) = values(run_world("mcore_ckpt_fixes.resume.rng_standin:fork_draws", 1, timeout=120))
+    (got,) = values(run_world("mcore_ckpt_fixes.testing.rng_standin:fork_draws", 1, timeout=120))
     stream, outer = torch.Generator().manual_seed(2), torch.Generator().manual_seed(1)
     assert torch.equal(got["inside"], torch.rand(8, generator=stream))  # drawn from the tracker's stream
     assert torch.equal(got["after"], torch.rand(8, generator=outer))  # the default stream, untouched by the fork

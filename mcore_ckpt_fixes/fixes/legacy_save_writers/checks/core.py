@@ -1,7 +1,7 @@
 """legacy-save-writers' round trip: ``megatron.training.checkpointing``'s own ``save_checkpoint`` and
 ``load_checkpoint`` in the legacy ``torch`` format, on 2 gloo ranks laid out TP=2, EP=1, expert TP=1
 (expert-DP size 2: TP rank 1 has expert-DP rank 1), with the resume check's MoE GPT, DDP, distributed
-optimizer and scheduler (:mod:`mcore_ckpt_fixes.resume.job`, configuration ``moe-tp2-etp1-legacy``,
+optimizer and scheduler (:mod:`mcore_ckpt_fixes.testing.gpt_job`, configuration ``moe-tp2-etp1-legacy``,
 and its CPU stand-ins).
 
 Phases: ``save`` (one training step, ``save_checkpoint`` at iteration 1); ``files`` (every rank: each rank's
@@ -18,13 +18,22 @@ import os
 import torch
 import torch.distributed as dist
 
-from ....resume import job
-from ....resume.configs import by_name
+from ....testing import gpt_job as job
+from ....testing.job_config import Config
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
 
-CONFIG = "moe-tp2-etp1-legacy"
+# The resume check's configuration of that name (mcore_ckpt_fixes/resume/configs.py), built here.
+CONFIG = Config(
+    "moe-tp2-etp1-legacy",
+    "MoE GPT, TP=2 with EP=1 and expert TP=1 on 2 ranks (sequence parallel), legacy torch format",
+    world=2,
+    tp=2,
+    ep=1,
+    etp=1,
+    ckpt_format="torch",
+)
 ITERATION = 1
 
 
@@ -52,7 +61,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     from megatron.core import parallel_state as mpu
     from megatron.training import checkpointing
 
-    cfg = by_name(CONFIG)
+    cfg = CONFIG
     rt = RoundTrip(case="tp2_ep1_etp1", sharding_type="legacy", steps=None)
     save_dir = os.path.join(ckpt_dir, "legacy")
     with rt.running(), job.worker(cfg, device) as cpu_gen:

@@ -3,7 +3,7 @@
 decoupled learning rate (Megatron-LM's ``--decoupled-lr``: the embedding and output layer's group
 gets its own ``max_lr``), saved and loaded with ``dist_checkpointing`` through the
 ``ChainedOptimizer`` that function returns, on 2 gloo ranks (DP=2), on Apex FusedAdam's path (the CPU
-stand-in of :mod:`mcore_ckpt_fixes.resume.fused_adam`).
+stand-in of :mod:`mcore_ckpt_fixes.testing.fused_adam`).
 
 A source run takes ``STEPS`` optimizer steps and saves; a target run (other initial values) builds
 Megatron's own load request (``is_loading=True``) and loads. Checked on every rank: every parameter
@@ -18,7 +18,7 @@ import os
 
 import torch.distributed as dist
 
-from ....resume.fused_adam import optimizer_path
+from ....testing.fused_adam import optimizer_path
 from ....testing.dist_optimizer import build, distributed, local_state, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip

@@ -11,7 +11,7 @@ caches the plan); step 2 ends with the machine asking for a checkpoint and exit
 and runs the step again.
 
 Where the release ships ``megatron.training`` (0.17+): the resume check's small GPT
-(:mod:`mcore_ckpt_fixes.resume.job`: Megatron's arguments with ``--ckpt-assume-constant-structure``,
+(:mod:`mcore_ckpt_fixes.testing.gpt_job`: Megatron's arguments with ``--ckpt-assume-constant-structure``,
 model, DDP, distributed optimizer, one real training step), saved with
 ``megatron.training.checkpointing.save_checkpoint`` (one ``checkpointing_context`` for both saves,
 ``train_data_iterator`` the machine's iterator) and loaded with ``load_checkpoint`` into a new model.
@@ -223,8 +223,8 @@ def _through_megatron_training(rt, training, ckpt_dir):
     keeps it) after a real training step, and load_checkpoint into a new model."""
     from megatron.core import parallel_state as mpu
 
-    from ....resume import job
-    from ....resume.configs import Config
+    from ....testing import gpt_job as job
+    from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, "cpu") as cpu_gen:

@@ -157,8 +157,8 @@ def _through_megatron_training(rt, training, ckpt_dir):
     """save_checkpoint after a real step, load_checkpoint with raise_all into a new model."""
     from megatron.core import parallel_state as mpu
 
-    from ....resume import job
-    from ....resume.configs import Config
+    from ....testing import gpt_job as job
+    from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, "cpu") as cpu_gen, _machine():

@@ -108,8 +108,8 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
     iteration (as the training loop saves at that exit), load_checkpoint into a new model."""
     from megatron.core import parallel_state as mpu
 
-    from ....resume import job
-    from ....resume.configs import Config
+    from ....testing import gpt_job as job
+    from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, "cpu") as cpu_gen:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ....testing.compare import max_abs_delta, worst
 from ....testing.result import RoundTrip
+from ....testing.rng_standin import CudaRngStandIn  # noqa: F401  (the round trips and frameworks' checks use it)
 from ....testing.states import fix_states
 from .. import ID as FIX_ID
 from .. import MODULE
@@ -54,91 +55,6 @@ SEED, FRESH_SEED = 1234, 4321
 
 
 # -- CUDA RNG stand-in (CPU workers only) -----------------------------------------------------------
-
-
-class _AnyIndex:
-    """``torch.cuda.default_generators`` for the stand-in: every index is the one generator."""
-
-    def __init__(self, gen):
-        self.gen = gen
-
-    def __getitem__(self, index):
-        return self.gen
-
-    def __len__(self):
-        return 1
-
-
-class CudaRngStandIn:
-    """Context manager: one CPU generator plays this process's CUDA default generator (see module
-    doc), and ``torch.tensor(..., device="cuda")`` makes a CPU tensor. Does nothing where CUDA is
-    available."""
-
-    def __init__(self, generator=None):
-        # ``generator``: the one to play the CUDA generator (torch's default one, so that CPU
-        # dropout draws from the stream a tracker fork swaps in), kept at its state; by default a
-        # fresh generator at torch's default CUDA seed.
-        self.gen = None
-        self._generator = generator
-        self._saved = []
-
-    def _set(self, owner, name, value):
-        self._saved.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, value)
-
-    def __enter__(self):
-        if torch.cuda.is_available():
-            return self
-        import torch.cuda.random as cuda_random
-        from megatron.core.tensor_parallel import random as mrandom
-
-        gen = self.gen = self._generator
-        if gen is None:
-            gen = self.gen = torch.Generator()
-            gen.manual_seed(67280421310721)  # torch's default CUDA seed: a fresh process starts there
-
-        def get_rng_state(device="cuda"):
-            return gen.get_state()
-
-        def set_rng_state(new_state, device="cuda"):
-            gen.set_state(new_state.clone())  # torch.cuda.set_rng_state copies too
-
-        def manual_seed(seed):
-            gen.manual_seed(int(seed))
-
-        for owner in (torch.cuda, cuda_random):
-            self._set(owner, "get_rng_state", get_rng_state)
-            self._set(owner, "set_rng_state", set_rng_state)
-            self._set(owner, "manual_seed", manual_seed)
-        self._set(torch.cuda, "default_generators", _AnyIndex(gen))
-        # Megatron's _set_cuda_rng_state queues its setter with the `_lazy_call` it imported from
-        # torch.cuda; without CUDA the queue never runs. Run it now (it then uses the stand-in).
-        self._set(mrandom, "_lazy_call", lambda callable, **kwargs: callable())
-        # load_checkpoint's read_metadata all-reduces the tracker's iteration in a CUDA tensor.
-        real_tensor = torch.tensor
-
-        def tensor(data, *args, device=None, **kwargs):
-            if device is not None and torch.device(device).type == "cuda":
-                device = "cpu"
-            return real_tensor(data, *args, device=device, **kwargs)
-
-        self._set(torch, "tensor", tensor)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, value in reversed(self._saved):
-            setattr(owner, name, value)
-        self._saved.clear()
-        return False
-
-    def draw(self, n):
-        """n values from "the CUDA generator" (the stand-in, or the real one on a GPU)."""
-        if self.gen is not None:
-            return torch.rand(n, generator=self.gen)
-        return torch.rand(n, device="cuda").cpu()
-
-
-# -- Megatron setup ---------------------------------------------------------------------------------
 
 
 def prepare() -> None:

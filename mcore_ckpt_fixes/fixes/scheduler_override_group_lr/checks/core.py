@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ....resume.fused_adam import optimizer_path
+from ....testing.fused_adam import optimizer_path
 from ....testing import dist_optimizer as dopt
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -120,8 +120,8 @@ def _through_dist_checkpointing(rt, ckpt_dir):
 def _through_megatron_training(rt, training, ckpt_dir):
     from megatron.core import parallel_state as mpu
 
-    from ....resume import job
-    from ....resume.configs import Config
+    from ....testing import gpt_job as job
+    from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2, decoupled_lr=OLD["decoupled_lr"])
     with job.worker(cfg, "cpu") as cpu_gen:

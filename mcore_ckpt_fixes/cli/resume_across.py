@@ -1,7 +1,7 @@
 """The resume check across releases: save on one Megatron-Core, resume on another.
 
-    python -m mcore_ckpt_fixes.resume.across save CONFIG DIR [--fixes on|off]
-    python -m mcore_ckpt_fixes.resume.across resume CONFIG DIR [--fixes on|off] [--out FILE] [--json]
+    python -m mcore_ckpt_fixes.cli.resume_across save CONFIG DIR [--fixes on|off]
+    python -m mcore_ckpt_fixes.cli.resume_across resume CONFIG DIR [--fixes on|off] [--out FILE] [--json]
 
 ``save`` runs A (uninterrupted) and B (train, ``save_checkpoint``) of the configuration
 (:mod:`.configs`) with this interpreter's Megatron-Core and writes under DIR: ``uninterrupted.pkl``
@@ -24,9 +24,9 @@ import pickle
 import sys
 import tempfile
 
-from . import check
-from .compare import differing, rank_verdict, same
-from .configs import by_name
+from ..resume import check
+from ..resume.compare import differing, rank_verdict, same
+from ..resume.configs import by_name
 
 
 def stack() -> dict:
@@ -140,7 +140,7 @@ def _against_here(cfg, uninterrupted, resumed, fixes) -> dict:
 
 def describe(out) -> str:
     """One line for a verdict."""
-    from ..cli.selftest_resume import describe as one_mode
+    from .selftest_resume import describe as one_mode
 
     line = out["error"] if out["verdict"] == "error" else one_mode(out)
     here = out.get("here")
@@ -161,7 +161,7 @@ def describe(out) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mcore_ckpt_fixes.resume.across", description=__doc__.split("\n")[0]
+        prog="python -m mcore_ckpt_fixes.cli.resume_across", description=__doc__.split("\n")[0]
     )
     parser.add_argument("action", choices=("save", "resume"))
     parser.add_argument("config", help="a configuration of mcore_ckpt_fixes.resume.configs, e.g. moe-ep2")
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     cfg = by_name(args.config)
     import mcore_ckpt_fixes
 
-    from ..cli.selftest_run import set_aside_user_flags
+    from .selftest_run import set_aside_user_flags
 
     # Only --fixes decides: a shell's per-fix flag would otherwise reach the forked ranks (and the
     # fix states recorded beside the verdict are the defaults').

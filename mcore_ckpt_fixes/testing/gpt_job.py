@@ -418,7 +418,7 @@ def sequence_parallel_torch_norms():
 def worker(cfg, device):
     """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
     the FusedAdam path; yields the CPU generator. Model-parallel state is destroyed on the way out."""
-    from ..testing.cpu_shims import cpu_streams, cuda_to_cpu_mode
+    from .cpu_shims import cpu_streams, cuda_to_cpu_mode
     from .fused_adam import optimizer_path
     from .rng_standin import TrainingRngStandIn
 
