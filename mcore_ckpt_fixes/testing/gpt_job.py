@@ -43,6 +43,15 @@ SEED = 1234
 VOCAB, SEQ, HIDDEN = 32, 8, 16
 
 
+def training_checkpointing():
+    """``megatron.training.checkpointing`` where the release ships it (0.17+ wheels, checkouts), else None."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return None
+    return checkpointing
+
+
 def _argv(cfg, ckpt_dir, steps):
     argv = [
         "mcore-ckpt-fixes-resume",

@@ -14,6 +14,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, mark, original
+from ....engine.probing import with_globals
 from .. import ID, MODULE
 
 STRATEGY = "TorchCommonLoadStrategy"
@@ -107,10 +108,8 @@ def _read_in_memory(fn, takes_self, data):
     stand_in = _InMemoryTorch(torch, data)
     quiet = logging.getLogger("mcore_ckpt_fixes.probe.silent")  # 0.19 warns that load_common is deprecated
     quiet.disabled = True
-    scope = dict(fn.__globals__, torch=stand_in, logger=quiet)
-    scope["maybe_msc"] = types.SimpleNamespace(torch=stand_in)  # 0.19 reads through maybe_msc.torch
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
+    # 0.19 reads through maybe_msc.torch.
+    copy = with_globals(fn, torch=stand_in, logger=quiet, maybe_msc=types.SimpleNamespace(torch=stand_in))
     path = os.path.join(os.sep, "mcore-ckpt-fixes-probe-reads-nothing")
     return copy(object(), path) if takes_self else copy(path)
 

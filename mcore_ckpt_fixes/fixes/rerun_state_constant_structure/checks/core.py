@@ -38,6 +38,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -64,18 +65,9 @@ def prepare() -> None:
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
     import megatron.core.rerun_state_machine  # noqa: F401
 
-    if _training() is not None:
+    if training_checkpointing() is not None:
         from megatron.core.models.gpt import GPTModel  # noqa: F401
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
-
-
-def _training():
-    """``megatron.training.checkpointing`` where the release ships it, else None."""
-    try:
-        from megatron.training import checkpointing
-    except ImportError:
-        return None
-    return checkpointing
 
 
 @contextlib.contextmanager
@@ -271,7 +263,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     from ....testing.cpu_shims import cuda_to_cpu_mode
 
     rt = RoundTrip(error_line=error_line)
-    training = _training()
+    training = training_checkpointing()
     rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
     on_cpu = device == "cpu" and not torch.cuda.is_available()
     with rt.running():

@@ -9,7 +9,7 @@ import logging
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, mark, original
 from .. import FUNCTION, ID, MODULE, RERUN_KEY
 
 logger = logging.getLogger("mcore_ckpt_fixes")
@@ -49,11 +49,9 @@ def missing_rerun_state(fn):
 
 
 def probe(module: types.ModuleType):
-    fn = module.__dict__.get(FUNCTION)
-    if fn is None:
+    if FUNCTION not in module.__dict__:
         return None, f"{MODULE} has no {FUNCTION}"
-    if is_replacement(fn):
-        fn = original(module, FUNCTION)
+    fn = original(module, FUNCTION)  # the release's, whether the fix is in place or not
     try:
         buggy = missing_rerun_state(fn)
     except Exception as exc:  # code this probe does not know: left alone, with the reason

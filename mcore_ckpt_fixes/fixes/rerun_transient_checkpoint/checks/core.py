@@ -31,6 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from ...rerun_state_constant_structure.checks import core as machine_checks
@@ -142,7 +143,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     from ....testing.cpu_shims import cuda_to_cpu_mode
 
     rt = RoundTrip(error_line=machine_checks.error_line, cases={})
-    training = machine_checks._training()
+    training = training_checkpointing()
     rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
     # With the fix on, also what an unfixed release wrote, loaded with the fix.
     cases = ("exit", "old") if patched else ("exit",)

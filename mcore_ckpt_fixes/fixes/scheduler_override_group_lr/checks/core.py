@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ....testing.fused_adam import optimizer_path
 from ....testing import dist_optimizer as dopt
+from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -39,10 +40,7 @@ def prepare() -> None:
     dopt.prepare()
     import megatron.core.optimizer_param_scheduler  # noqa: F401
 
-    try:
-        import megatron.training.checkpointing  # noqa: F401
-    except ImportError:
-        pass
+    training_checkpointing()  # imported in the parent where the release ships it
 
 
 def changed_lr_loads():
@@ -153,10 +151,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         # torch's Adam the fresh optimizer's load needs torch-adam-step, which this world may not have.
         with dopt.world(), optimizer_path(apex=True):
             _through_dist_checkpointing(rt, ckpt_dir)
-        try:
-            from megatron.training import checkpointing as training
-        except ImportError:
-            training = None
+        training = training_checkpointing()
         rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
         if training is not None:
             rt.phase("save")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, mark, original
 from ....engine.probing import with_globals
 from .. import ID, MODULE
 
@@ -117,8 +117,7 @@ def own_step_tensors(states) -> None:
 def _release_method(cls, name):
     """The release's method, run on torch's Adam path (``HAVE_APEX_OR_TE`` False in its globals
     only: the live module keeps the flag its import set)."""
-    fn = cls.__dict__[name]
-    return with_globals(original(cls, name) if is_replacement(fn) else fn, HAVE_APEX_OR_TE=False)
+    return with_globals(original(cls, name), HAVE_APEX_OR_TE=False)
 
 
 def _stand_in(torch, step=None):
