@@ -185,7 +185,10 @@ class _Engine:
         if verdict is False:
             self._decide(fix, target, "not-needed", f"probe: {why}{checkout_note}")
             return
-        patcher = self.patchers.setdefault(fix.id, Patcher(fix.id))
+        patcher = self.patchers.get(fix.id)
+        if patcher is None:
+            # The fixes' order (fixes.ORDER, then registration) is their layers' order on a shared attribute.
+            patcher = self.patchers[fix.id] = Patcher(fix.id, list(self.fixes).index(fix.id))
         mark = len(patcher.records)
         try:
             target.apply(module, patcher)
@@ -194,7 +197,7 @@ class _Engine:
             partial = Patcher(fix.id)
             partial.records = patcher.records[mark:]
             del patcher.records[mark:]
-            partial.revert()
+            partial.revert(whole=False)
             self._fail(fix, target, f"patch raised {type(exc).__name__}: {exc}")
             return
         note = checkout_note or ("" if not outside else " (forced on outside the affected range)")

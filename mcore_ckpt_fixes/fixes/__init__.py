@@ -3,7 +3,10 @@
 Every fix package has the same inner shape (``runtime/`` runs in a job, ``diff/`` builds the source
 diffs, ``checks/`` tests): CONTRIBUTING.md, "Adding a fix".
 
-ORDER only fixes the order ``status`` lists them in (that of docs/fixes.md and the README's list).
+ORDER is the one place the fixes' order is declared: the order ``status`` lists them in (that of
+docs/fixes.md and the README's list), and the order of their layers where several fixes replace one
+attribute (a fix listed earlier sits lower, nearer the release's code; each layer calls the one
+below it: ``engine.patching.below``).
 """
 
 ORDER = (

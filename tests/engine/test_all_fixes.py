@@ -1,7 +1,8 @@
 """Every fix at once, on this line: each fix the engine reports ``applied`` has recorded its
-changes, and ``revert()`` puts every recorded attribute back to the exact object it held. And two
-fixes on one attribute: the second is refused at apply, with one line naming both (replacements do
-not stack), never reported ``applied`` over the first one's layer.
+changes, and ``revert()`` puts every recorded attribute back to the exact object it held. And several
+fixes on one attribute: each a layer calling the one below, in the declared order whatever the order
+they were applied in; ``revert()`` of one takes out exactly its layer; a marked replacement no layer
+put there is refused at apply, with one line naming both fixes.
 """
 
 from __future__ import annotations
@@ -33,34 +34,24 @@ def test_every_fix_at_once_records_its_changes_and_reverts_exactly():
     assert out["not_restored"] == [], out["not_restored"]
 
 
-def test_a_second_fix_on_one_attribute_is_refused_naming_both():
-    code = (
-        "import json, megatron.core.utils\n"
-        "import probe_fix\n"
-        "from mcore_ckpt_fixes.engine.fix import Fix, Target\n"
-        "from mcore_ckpt_fixes.engine.patching import mark\n"
-        "from mcore_ckpt_fixes.engine.registry import ENGINE\n"
-        "@mark('second-wrapper')\n"
-        "def second(*a, **k): raise AssertionError('never called')\n"
-        "def apply(module, patcher): patcher.replace_function(module, probe_fix.NAME, second)\n"
-        "probe_fix.register()\n"
-        "ENGINE.register(Fix(id='second-wrapper', summary='test', affected='>=0', "
-        "targets=(Target(probe_fix.TARGET, probe_fix.probe, apply),)))\n"
-        "import mcore_ckpt_fixes\n"
-        "import warnings; warnings.simplefilter('ignore')\n"
-        "mcore_ckpt_fixes.apply()\n"
-        "rows = {r['id']: r for r in mcore_ckpt_fixes.report()}\n"
-        "held = getattr(megatron.core.utils, probe_fix.NAME).__mcore_ckpt_fix__\n"
-        "print(json.dumps({'first': rows['engine-probe']['state'], 'second': rows['second-wrapper']['state'], "
-        "'reason': rows['second-wrapper']['reason'], 'held': held, "
-        "'second_changes': len(ENGINE.changes('second-wrapper'))}))\n"
-    )
-    # dtensor-placement wraps the same helper: off, so that the two test fixes meet there.
-    out = _run(code, {"MCORE_CKPT_FIX_DTENSOR_PLACEMENT": "off"})
-    assert (out["first"], out["second"], out["held"], out["second_changes"]) == (
-        "applied",
-        "failed",
-        "engine-probe",
-        0,
-    ), out
-    assert "already holds engine-probe's replacement; second-wrapper cannot replace it too" in out["reason"], out
+def test_fixes_on_one_attribute_layer_in_declared_order_and_revert_one_layer_each():
+    out = _run(os.path.join(HERE, "layers_child.py"))
+    assert out["states"] == ["applied", "applied"], out
+    below_ours = ["high", "low"]  # each layer calls the one below it; the product fix's layer is under both
+    changes = out["all"].pop("changes")  # the helper and each module that binds it by name
+    assert changes[0] == changes[1] >= 2, out
+    assert out["all"] == {"held": ["layer-high"] * 2, "calls": below_ours}, out
+    assert out["high_reverted"] == {"held": ["layer-low"] * 2, "calls": ["low"]}, out
+    assert out["high_again"] == {"held": ["layer-high"] * 2, "calls": below_ours}, out
+    # The middle layer out: the top one now stands on what was under it.
+    assert out["low_reverted"]["held"] == ["layer-high"] * 2 and out["low_reverted"]["calls"] == ["high"], out
+    assert out["low_reverted"]["high_below_is_release"] is (not out["product_layers"]), out
+    assert out["all_reverted"] == {"release_back": [True, True], "calls": []}, out
+    assert out["out_of_order"] == {"held": ["layer-high"] * 2, "calls": below_ours}, out
+    assert out["out_of_order_reverted"] is True, out
+    conflict = out["conflict"]
+    assert conflict["state"] == "failed" and conflict["kept"] is True, conflict
+    assert (
+        "megatron.core.utils.make_sharded_tensor_for_checkpoint holds foreign-copy's replacement, which no layer "
+        "here put there; layer-low cannot layer on it" in conflict["reason"]
+    ), conflict

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import MARK, Patcher, is_replacement, original
+from ....engine.patching import MARK, Patcher, below, is_replacement, original
 from .. import ID, MODULE
 
 # -- replacement --- the text from here to the end marker is what the source diff inserts into
@@ -58,7 +58,7 @@ def split_state_dict(self, state_dict):
     parts = _state_dicts_by_own_chunks(self, state_dict)
     if parts is not None:
         return parts
-    return original(sys.modules[MODULE].ChainedOptimizer, "_split_state_dict")(self, state_dict)
+    return below(ID, sys.modules[MODULE].ChainedOptimizer, "_split_state_dict")(self, state_dict)
 
 
 setattr(split_state_dict, MARK, ID)

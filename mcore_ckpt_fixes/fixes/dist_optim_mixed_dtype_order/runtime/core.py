@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 
-from ....engine.patching import MARK, Patcher, original
+from ....engine.patching import MARK, Patcher, below, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -43,7 +43,7 @@ def number_as_the_optimizer_holds(param_group_map, group_ranges) -> None:
 def build_optimizer_group_ranges(cls, param_groups, gbuf_ranges):
     """``DistributedOptimizer._build_optimizer_group_ranges``, each parameter numbered at the place
     its shard will have in the optimizer's group."""
-    param_group_map, group_ranges = _release(cls)(cls, param_groups, gbuf_ranges)
+    param_group_map, group_ranges = below(ID, cls, METHOD).__func__(cls, param_groups, gbuf_ranges)
     number_as_the_optimizer_holds(param_group_map, group_ranges)
     return param_group_map, group_ranges
 

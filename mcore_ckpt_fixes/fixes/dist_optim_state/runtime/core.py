@@ -14,7 +14,7 @@ import logging
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -98,7 +98,7 @@ def sharded_state_dict(self, *args, **kwargs):
     """``DistributedOptimizer.sharded_state_dict``: a call that names no format gets
     ``dp_reshardable`` where the release's default cannot be saved, and a request built with
     ``is_loading=False`` on an optimizer without state describes zero moments."""
-    release = _release("sharded_state_dict")
+    release = below(ID, _cls(), "sharded_state_dict")
     call = _bind(release, (self,) + args, kwargs)
     if call is None:
         return release(self, *args, **kwargs)
@@ -122,7 +122,7 @@ def load_parameter_state_from_dp_reshardable(self, state_dict):
     import torch
 
     with torch.no_grad():
-        return _release("load_parameter_state_from_dp_reshardable")(self, state_dict)
+        return below(ID, _cls(), "load_parameter_state_from_dp_reshardable")(self, state_dict)
 
 
 # -- probe: the release's own methods on inert stand-ins --------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, has_layer, is_replacement, mark, original
 from ....engine.probing import Group
 from .. import EXPERTS, ID, UTILS
 from . import shard
@@ -154,7 +154,10 @@ def _stale(name, me):
     engine's revert only restores the bindings it made itself. Such a stale binding forwards to
     the current one, so a reverted fix behaves as reverted everywhere.
     """
-    current = sys.modules[UTILS].__dict__.get(name)
+    utils = sys.modules[UTILS]
+    if has_layer(ID, utils, name):  # in place (another fix's layer may be on top: it called us)
+        return None
+    current = utils.__dict__.get(name)
     return None if current is me else current
 
 
@@ -163,7 +166,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     stale = _stale(TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
     if stale is not None:
         return stale(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
-    orig = original(UTILS, TP_HELPER)
+    orig = below(ID, UTILS, TP_HELPER)
     if not _takes_dtensor_branch(TP_HELPER, tensor):
         return orig(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     layout = dtensor_layout(tensor, key)
@@ -185,7 +188,7 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
     stale = _stale(HELPER, make_sharded_tensor_for_checkpoint)
     if stale is not None:
         return stale(tensor, key, prepend_offsets, replica_id, **kwargs)
-    orig = original(UTILS, HELPER)
+    orig = below(ID, UTILS, HELPER)
     if not _takes_dtensor_branch(HELPER, tensor):
         return orig(tensor, key, prepend_offsets, replica_id, **kwargs)
     layout = dtensor_layout(tensor, key)
@@ -206,7 +209,7 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
 @mark(ID)
 def sequential_mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
     """SequentialMLP's, with the DP replica index of DTensor-described expert shards kept."""
-    out = original(sys.modules[EXPERTS].SequentialMLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+    out = below(ID, sys.modules[EXPERTS].SequentialMLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
     for sh in out.values():
         dp_replica = getattr(sh, REPLICA_ATTR, None)
         if dp_replica is not None and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE, NAMES, TRAINING, UNEVEN
 from . import keys, old_layouts
 
@@ -35,21 +35,21 @@ def _active(name, replacement, module_name=MODULE):
 @mark(ID)
 def get_expert_index_from_key(key):
     if not _active("get_expert_index_from_key", get_expert_index_from_key):
-        return original(MODULE, "get_expert_index_from_key")(key)
+        return below(ID, MODULE, "get_expert_index_from_key")(key)
     return _FIXED["get_expert_index_from_key"](key)
 
 
 @mark(ID)
 def handle_experts_in_state_dict(state_dict, num_experts=None):
     if not _active("handle_experts_in_state_dict", handle_experts_in_state_dict):
-        return original(MODULE, "handle_experts_in_state_dict")(state_dict, num_experts)
+        return below(ID, MODULE, "handle_experts_in_state_dict")(state_dict, num_experts)
     return _FIXED["handle_experts_in_state_dict"](state_dict, num_experts)
 
 
 @mark(ID)
 def expert_param_local_key(key, num_experts=None):
     if not _active("expert_param_local_key", expert_param_local_key):
-        return original(MODULE, "expert_param_local_key")(key, num_experts)
+        return below(ID, MODULE, "expert_param_local_key")(key, num_experts)
     return _FIXED["expert_param_local_key"](key, num_experts)
 
 
@@ -58,7 +58,7 @@ def _preprocess_through(binding, replacement, state_dict):
     grouped expert tensors made EP-global; the release's again once the fix is reverted."""
     name = "preprocess_state_dict_for_uneven_dtensor"
     if not _active(name, replacement, binding):
-        return original(binding, name)(state_dict)
+        return below(ID, binding, name)(state_dict)
     return _FIXED[name](state_dict)
 
 
@@ -81,7 +81,7 @@ def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwa
     ``MegatronPatchWarning`` if the checkpoint holds expert biases or single grouped expert tensors
     in the unfixed layout (grouped ones: the load is pointed at what is stored, see
     :func:`.old_layouts.align_old_grouped_expert_layout`)."""
-    result = original(MODULE, "print_diff_in_state_dicts")(state_dict_metadata, load_state_dict, *args, **kwargs)
+    result = below(ID, MODULE, "print_diff_in_state_dicts")(state_dict_metadata, load_state_dict, *args, **kwargs)
     if _active("print_diff_in_state_dicts", print_diff_in_state_dicts):
         texts = (
             old_layouts.old_expert_bias_layout_warning(state_dict_metadata, load_state_dict),

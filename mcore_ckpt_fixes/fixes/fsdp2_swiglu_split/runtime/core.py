@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from ....engine.probing import Group
 from .. import ID, MODULE
 
@@ -151,7 +151,7 @@ def _release_method(cls):
 def mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
     """``MLP.sharded_state_dict``: the release's, its SwiGLU ``linear_fc1`` factories of FSDP2
     shards given their place in [W; V]."""
-    out = _release_method(sys.modules[MODULE].MLP)(self, prefix, sharded_offsets, metadata)
+    out = below(ID, sys.modules[MODULE].MLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
     if getattr(self.config, "gated_linear_unit", False):
         fc1 = self._modules.get("linear_fc1")
         for name in ("weight", "bias"):

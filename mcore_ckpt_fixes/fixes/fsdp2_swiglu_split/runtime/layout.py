@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import ID
 
 SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
@@ -115,7 +115,7 @@ def _release_load_code():
 def save_preprocess(sharded_state_dict, *args, **kwargs):
     """``serialization.save_preprocess``: the release's, plus the marks of in-place SwiGLU pieces."""
     marks = _swiglu_fsdp2_layout_marks(sharded_state_dict)  # before the factories are applied
-    sharded_part, common = original(sys.modules[SERIALIZATION], "save_preprocess")(sharded_state_dict, *args, **kwargs)
+    sharded_part, common = below(ID, sys.modules[SERIALIZATION], "save_preprocess")(sharded_state_dict, *args, **kwargs)
     if marks:
         sharded_part[SWIGLU_FSDP2_LAYOUT] = marks
     return sharded_part, common
@@ -128,7 +128,7 @@ def load_preprocess(sharded_state_dict, *args, **kwargs):
     caller = sys._getframe(1)
     if caller.f_code is _release_load_code():
         _read_swiglu_fsdp2_rows_as_written(sharded_state_dict, caller.f_locals.get("checkpoint_dir"))
-    return original(sys.modules[SERIALIZATION], "load_preprocess")(sharded_state_dict, *args, **kwargs)
+    return below(ID, sys.modules[SERIALIZATION], "load_preprocess")(sharded_state_dict, *args, **kwargs)
 
 
 def apply(patcher: Patcher) -> None:

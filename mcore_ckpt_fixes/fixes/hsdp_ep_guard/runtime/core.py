@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from ....engine.probing import Group
 from .. import ID, MODULE
 
@@ -43,7 +43,7 @@ def init_dist_index(self, pg_collection):
         ep_size = _ep_size(pg_collection)
         if ep_size > 1:
             raise ValueError(refusal(instances, ep_size))
-    return original(getattr(sys.modules[MODULE], CLASS), "_init_dist_index")(self, pg_collection)
+    return below(ID, getattr(sys.modules[MODULE], CLASS), "_init_dist_index")(self, pg_collection)
 
 
 # -- probe: the release's own _init_dist_index on inert stand-ins ------------------------------------

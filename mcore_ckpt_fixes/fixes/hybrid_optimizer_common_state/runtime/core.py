@@ -13,7 +13,7 @@ import os
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from ....engine.probing import with_globals
 from .. import ID, MODULE
 
@@ -56,14 +56,14 @@ def _allowing_optimizer_classes(load, *args, **kwargs):
 @mark(ID)
 def load_common(checkpoint_dir):
     """``load_common`` (0.17.0 on), with the hybrid optimizer's classes allowed."""
-    return _allowing_optimizer_classes(original(sys.modules[MODULE], "load_common"), checkpoint_dir)
+    return _allowing_optimizer_classes(below(ID, sys.modules[MODULE], "load_common"), checkpoint_dir)
 
 
 @mark(ID)
 def strategy_load_common(self, checkpoint_dir):
     """``TorchCommonLoadStrategy.load_common`` (0.15-0.16), with the hybrid optimizer's classes allowed."""
     cls = getattr(sys.modules[MODULE], STRATEGY)
-    return _allowing_optimizer_classes(original(cls, "load_common"), self, checkpoint_dir)
+    return _allowing_optimizer_classes(below(ID, cls, "load_common"), self, checkpoint_dir)
 
 
 def _strategy(module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import ID, MODULE
 
 CLASS = "HybridDeviceOptimizer"
@@ -37,7 +37,7 @@ def update_fp32_params_by_new_state(self):
     raises ``KeyError`` for one that is fp32 itself. Such a parameter (or its CPU copy, which the
     post-load hook has just rebuilt from it) is what the optimizer updates: it keeps what the load
     restored, and its loaded ``master_param`` is the value it was saved with."""
-    release = original(_cls(), METHOD)
+    release = below(ID, _cls(), METHOD)
     if not getattr(self, "param_update_in_fp32", False) or not without_fp32_copy(self):
         return release(self)
     state = self.state

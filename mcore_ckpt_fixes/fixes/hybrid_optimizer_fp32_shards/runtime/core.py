@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 
-from ....engine.patching import MARK, Patcher, original
+from ....engine.patching import MARK, Patcher, below, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -53,7 +53,7 @@ def build_model_and_main_param_groups(cls, gbuf_ranges, param_gbuf_map, opt_grou
     """``DistributedOptimizer._build_model_and_main_param_groups``; with ``optimizer_cpu_offload``
     (the hybrid optimizer, rebuilt over the shards by torch's ``Optimizer`` constructor) the fp32
     shards are leaf views of their parameters' storage."""
-    groups = _release(cls)(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+    groups = below(ID, cls, METHOD).__func__(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
     if getattr(config, "optimizer_cpu_offload", False):
         detach_fp32_shards(groups[SHARD_FP32_GROUPS], opt_group_ranges)
     return groups

@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 NAME = "save_checkpoint"
@@ -109,7 +109,7 @@ def _legacy_checkpoint_name(module, fn, args, kwargs):
 def save_checkpoint(*args, **kwargs):
     """``save_checkpoint`` where a legacy save writes each file name from exactly one rank."""
     module = sys.modules[MODULE]
-    fn = original(module, NAME)
+    fn = below(ID, module, NAME)
     name = _legacy_checkpoint_name(module, fn, args, kwargs)
     if name is None:
         return fn(*args, **kwargs)

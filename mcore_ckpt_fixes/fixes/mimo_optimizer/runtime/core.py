@@ -16,7 +16,7 @@ import types
 import warnings
 
 from ....engine.errors import MegatronPatchWarning
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark
 from ....engine.probing import Group
 from .. import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
@@ -167,7 +167,7 @@ def _mimo_class():
 
 @mark(ID)
 def sharded_state_dict_keeping_common_state(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-    out = original(_mimo_class(), "sharded_state_dict")(self, model_sharded_state_dict, is_loading, **kwargs)
+    out = below(ID, _mimo_class(), "sharded_state_dict")(self, model_sharded_state_dict, is_loading, **kwargs)
     for name, info in self.module_infos.items():
         if not (info.is_active and info.optimizer) or not isinstance(out.get(name), dict):
             continue
@@ -188,7 +188,7 @@ def load_state_dict_keeping_common_state(self, state_dict):
         if info.is_active and info.optimizer and isinstance(module_sd, dict):
             for sub_sd, _inner in _sub_dicts(module_sd, info.optimizer):
                 _restore_common_state(sub_sd)
-    return original(_mimo_class(), "load_state_dict")(self, state_dict)
+    return below(ID, _mimo_class(), "load_state_dict")(self, state_dict)
 
 
 # -- load side (what to request for which stored layout: old_layouts.py) ----------------------
@@ -197,7 +197,7 @@ def load_state_dict_keeping_common_state(self, state_dict):
 @mark(ID)
 def load(*args, **kwargs):
     """``dist_checkpointing.load`` that also reads the MIMO optimizer layout of unfixed releases."""
-    func = original(LOAD_MODULE, "load")
+    func = below(ID, LOAD_MODULE, "load")
     try:
         bound = inspect.signature(func).bind(*args, **kwargs)
     except TypeError:

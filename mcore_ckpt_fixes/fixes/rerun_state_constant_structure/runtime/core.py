@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 CLASS = "RerunStateMachine"
@@ -20,7 +20,7 @@ def state_dict(self, data_iterator, ckpt_format, force=False):
     is pending: with none pending the release's own full state (``force=True``) with no data
     iterator, which is what a later fault-time save adds to a plan cached from this one."""
     module = sys.modules[MODULE]
-    release = original(getattr(module, CLASS), "state_dict")
+    release = below(ID, getattr(module, CLASS), "state_dict")
     if (
         not force
         and ckpt_format == "torch_dist"

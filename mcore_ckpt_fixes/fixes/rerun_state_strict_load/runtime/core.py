@@ -9,7 +9,7 @@ import logging
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import FUNCTION, ID, MODULE, RERUN_KEY
 
 logger = logging.getLogger("mcore_ckpt_fixes")
@@ -20,7 +20,7 @@ def _determine_missing_and_unexpected_keys(ckpt_sharded_metadata, local_metadata
     """The release's mismatch check, without the rerun state among the missing keys: no rank asks
     for it exactly when ``load_checkpoint`` decided to ignore it (no rerun to restore, another
     topology, ``--finetune``), which is no mismatch the user could mend."""
-    release = original(sys.modules[MODULE], FUNCTION)
+    release = below(ID, sys.modules[MODULE], FUNCTION)
     missing_keys, unexpected_keys = release(ckpt_sharded_metadata, local_metadata, global_metadata)
     if RERUN_KEY in missing_keys:
         logger.debug("%s: %s in the checkpoint, not asked for: ignored on purpose by the load", ID, RERUN_KEY)

@@ -10,7 +10,7 @@ import sys
 import types
 import warnings
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 CLASS = "RerunStateMachine"
@@ -29,7 +29,7 @@ def should_checkpoint_and_exit(self):
     at a transient fault, first puts the machine back to ``NOT_RUNNING_YET``: the checkpoint then
     holds a state every release resumes from."""
     module = sys.modules[MODULE]
-    out = original(getattr(module, CLASS), "should_checkpoint_and_exit")(self)
+    out = below(ID, getattr(module, CLASS), "should_checkpoint_and_exit")(self)
     if out[0] and self.state == module.RerunState.RERUNNING_IN_PLACE:
         # The in-place rerun is over (the fault was transient and no rerun from a checkpoint is
         # asked for), and the step's RNG snapshot that state needs is never saved: a resumed machine
@@ -60,7 +60,7 @@ def load_state_dict(self, state_dict):
 
         warnings.warn(f"mcore_ckpt_fixes: {ID}: {IGNORED}", MegatronPatchWarning, stacklevel=2)
         return None
-    return original(getattr(module, CLASS), "load_state_dict")(self, state_dict)
+    return below(ID, getattr(module, CLASS), "load_state_dict")(self, state_dict)
 
 
 # -- probe: the release's own should_checkpoint_and_exit on an inert stand-in ----------------------

@@ -33,7 +33,7 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark
 from ....engine.probing import Group
 from .. import ID
 from .fsdp_dtensor import _own_key, drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -53,7 +53,7 @@ def _dp_cp_rank(func, args, kwargs):
 @mark(ID)
 def get_rng_state(*args, **kwargs):
     """Bridge's ``get_rng_state``: ``fsdp_dtensor``, this rank's own entry beside the release's."""
-    func = original(MODULE, "get_rng_state")
+    func = below(ID, MODULE, "get_rng_state")
     state = func(*args, **kwargs)
     if fsdp_dtensor_entry(state) is None:
         return state  # torch_dist: Bridge's own layout, per rank under EP already
@@ -79,7 +79,7 @@ def load_fsdp_dtensor_checkpoint(*args, **kwargs):
 def _load_fsdp_dtensor_checkpoint(*args, **kwargs):
     """Bridge's ``load_fsdp_dtensor_checkpoint``: ask for this rank's own RNG entry where the
     checkpoint has one, and hand ``load_checkpoint`` that entry under the key it reads."""
-    func = original(MODULE, "load_fsdp_dtensor_checkpoint")
+    func = below(ID, MODULE, "load_fsdp_dtensor_checkpoint")
     try:
         bound = _bind(func, args, kwargs)
     except TypeError:

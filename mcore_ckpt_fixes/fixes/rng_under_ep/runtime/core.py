@@ -12,7 +12,7 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark
 from ....engine.probing import Group
 from .. import ID, MODULE
 from . import fsdp_dtensor
@@ -65,7 +65,7 @@ def _dp_cp_rank_and_size(dp_cp_group):
 def get_rng_state(*args, **kwargs):
     """``megatron.training.checkpointing.get_rng_state``, with the RNG state of every rank its own:
     ``torch_dist``, a per-rank ShardedObject; ``fsdp_dtensor``, a per-rank entry beside the release's."""
-    func = original(MODULE, "get_rng_state")
+    func = below(ID, MODULE, "get_rng_state")
     state = func(*args, **kwargs)
     if fsdp_dtensor_entry(state) is not None:
         dp_cp_rank, _ = _dp_cp_rank_and_size(_dp_cp_group_arg(func, args, kwargs))
@@ -88,7 +88,7 @@ def get_rng_state(*args, **kwargs):
 def load_global_dist_base_checkpoint(*args, **kwargs):
     """``megatron.training.checkpointing._load_global_dist_base_checkpoint``: request the RNG shard
     in the layout the checkpoint has."""
-    func = original(MODULE, "_load_global_dist_base_checkpoint")
+    func = below(ID, MODULE, "_load_global_dist_base_checkpoint")
     try:
         bound = _bind(func, args, kwargs)
     except TypeError:
@@ -170,7 +170,7 @@ def _tell_old_layout(text, template, args, result):
 def load_base_checkpoint(*args, **kwargs):
     """``megatron.training.checkpointing._load_base_checkpoint``: after an ``fsdp_dtensor`` load,
     hand load_checkpoint this rank's own RNG entry under the key it looks up (:mod:`.fsdp_dtensor`)."""
-    func = original(MODULE, "_load_base_checkpoint")
+    func = below(ID, MODULE, "_load_base_checkpoint")
     try:
         sharded = _bind(func, args, kwargs).arguments.get("sharded_state_dict")
     except TypeError:

@@ -37,7 +37,7 @@ import types
 import warnings
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import ID
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -65,7 +65,7 @@ def _mpu():
 def get_rng_state(*args, **kwargs):
     """``megatron_lm_utils._get_rng_state`` with every rank's RNG state its own: torch_dist, a
     per-rank ShardedObject; fsdp_dtensor, a per-rank entry beside the release's."""
-    state = original(MODULE, "_get_rng_state")(*args, **kwargs)
+    state = below(ID, MODULE, "_get_rng_state")(*args, **kwargs)
     mpu = _mpu()
     if fsdp_dtensor_entry(state) is not None:
         return with_per_rank_entry(state, mpu.get_data_parallel_rank(with_context_parallel=True))
@@ -146,7 +146,7 @@ DIST_CHECKPOINTING = mark(ID)(DistCheckpointingModule())
 def select_rng_state(rng_state, *args, **kwargs):
     """``megatron_fsdp_checkpoint.select_rng_state``: this rank's own ``(pp, tp, dp_cp)`` entry where
     the checkpoint has it, else the release's shared ``(pp, tp)`` copy with a warning."""
-    func = original(FSDP_MODULE, "select_rng_state")
+    func = below(ID, FSDP_MODULE, "select_rng_state")
     if fsdp_dtensor_entry(rng_state) is None:
         return func(rng_state, *args, **kwargs)
     mpu = sys.modules[FSDP_MODULE].mpu

@@ -36,7 +36,7 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
@@ -86,7 +86,7 @@ def _warn(text):
 @mark(ID)
 def get_rng_state(self, *args, **kwargs):
     """``MegatronCheckpointManager.get_rng_state`` with every rank's RNG state its own."""
-    state = original(_manager(), "get_rng_state")(self, *args, **kwargs)
+    state = below(ID, _manager(), "get_rng_state")(self, *args, **kwargs)
     if fsdp_dtensor_entry(state) is not None:
         out = with_per_rank_entry(state, _dp_cp()[0])
         stored = _FSDP_LOAD_KEYS.get()
@@ -119,7 +119,7 @@ def load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
 def _load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
     """``load_dist_checkpointing`` as verl's checkpoint manager calls it: the RNG shard requested in
     the layout the checkpoint has; every other load passes through unchanged."""
-    func = original(_module(), "load_dist_checkpointing")
+    func = below(ID, _module(), "load_dist_checkpointing")
     template = sharded_state_dict.get("rng_state") if isinstance(sharded_state_dict, dict) else None
     if not _is_rng_object(template) or len(template.global_shape) != 3:
         return func(sharded_state_dict, ckpt_dir, *args, **kwargs)
@@ -173,7 +173,7 @@ def load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
 def _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
     """``MegatronCheckpointManager._load_megatron_fsdp_checkpoint``, its RNG template built knowing
     which entries the checkpoint holds."""
-    func = original(_manager(), "_load_megatron_fsdp_checkpoint")
+    func = below(ID, _manager(), "_load_megatron_fsdp_checkpoint")
     stored = _stored_keys(_module().get_model_dist_checkpoint_path(local_path))
     token = _FSDP_LOAD_KEYS.set(stored)
     try:
@@ -185,7 +185,7 @@ def _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
 @mark(ID)
 def load_rng_states(self, rng_states, *args, **kwargs):
     """``MegatronCheckpointManager.load_rng_states``: Megatron-FSDP restores this rank's own entry."""
-    func = original(_manager(), "load_rng_states")
+    func = below(ID, _manager(), "load_rng_states")
     if getattr(self, "use_megatron_fsdp", False) and fsdp_dtensor_entry(rng_states) is not None:
         pp, tp = fsdp_dtensor_entry(rng_states)
         own = f"({pp}, {tp}, {_dp_cp()[0]})"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from ....engine.probing import with_globals
 from .. import CLASS, ID, MODULE
 
@@ -40,7 +40,7 @@ def restore_group_lrs(groups, built) -> None:
 def __init__(self, *args, **kwargs):
     """``OptimizerParamScheduler.__init__``, then the groups' max_lr / min_lr recorded: the values
     the run's own arguments gave them, before a checkpoint replaces the groups."""
-    _release("__init__")(self, *args, **kwargs)
+    below(ID, getattr(sys.modules[MODULE], CLASS), "__init__")(self, *args, **kwargs)
     setattr(self, BUILT, built_group_lrs(self.optimizer))
 
 
@@ -48,7 +48,7 @@ def __init__(self, *args, **kwargs):
 def load_state_dict(self, state_dict):
     """``OptimizerParamScheduler.load_state_dict``; with ``--override-opt-param-scheduler`` each group
     then gets its recorded max_lr / min_lr back and its lr / weight decay from them."""
-    _release("load_state_dict")(self, state_dict)
+    below(ID, getattr(sys.modules[MODULE], CLASS), "load_state_dict")(self, state_dict)
     built = getattr(self, BUILT, None)
     groups = self.optimizer.param_groups
     if self.override_opt_param_scheduler and built is not None and len(built) == len(groups):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from ....engine.probing import with_globals
 from .. import ID, MODULE
 
@@ -60,7 +60,7 @@ def state_dict(self):
     """``DistributedOptimizer.state_dict``; on torch's Adam before its first step (no parameter has
     state yet) the param groups say step 0, where the release asserts that one step exists."""
     if not _torch_adam() or len(self.optimizer.state) > 0:
-        return original(_cls(), "state_dict")(self)
+        return below(ID, _cls(), "state_dict")(self)
     inner = self.optimizer.state_dict()
     out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
     for group in out["optimizer"]["param_groups"]:
@@ -82,7 +82,7 @@ def set_main_param_and_optimizer_states(self, model_param, tensors):
     if step is not None and hasattr(step, "copy_"):
         # The release copies ``tensors[k]`` into every tensor of the state: the step onto itself.
         tensors = {**tensors, "step": step}
-    return original(_cls(), "_set_main_param_and_optimizer_states")(self, model_param, tensors)
+    return below(ID, _cls(), "_set_main_param_and_optimizer_states")(self, model_param, tensors)
 
 
 @mark(ID)
@@ -91,7 +91,7 @@ def load_state_dict(self, state_dict):
     release gives all of them one tensor, which torch's Adam would increment once per parameter),
     and torch's param groups hold no step: it only carried the checkpoint's into each parameter's
     state; torch's Adam keeps none in its groups, and one left there would stay at the loaded value."""
-    result = original(_cls(), "load_state_dict")(self, state_dict)
+    result = below(ID, _cls(), "load_state_dict")(self, state_dict)
     if _torch_adam():
         own_step_tensors(self.optimizer.state.values())
         for group in self.optimizer.param_groups:

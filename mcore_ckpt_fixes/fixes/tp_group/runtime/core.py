@@ -9,7 +9,7 @@ import contextvars
 import sys
 import types
 
-from ....engine.patching import Patcher, mark, original
+from ....engine.patching import Patcher, below, mark, original
 from .. import ID, LAYER, MIXER, RADIO
 
 # Groups of the MambaMixer / RADIOViTModel currently inside the patched call (None outside).
@@ -63,7 +63,7 @@ def mamba_mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata
     dp_cp = metadata.get("dp_cp_group") if isinstance(metadata, dict) else None
     token = _MIXER_GROUPS.set((getattr(self, "tp_group", None), dp_cp))
     try:
-        return original(_cls(MIXER, "MambaMixer"), "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+        return below(ID, _cls(MIXER, "MambaMixer"), "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
     finally:
         _MIXER_GROUPS.reset(token)
 
@@ -78,7 +78,7 @@ def mixer_make_sharded_tensors_for_checkpoint(*args, **kwargs):
             kwargs["tp_group"] = tp_group
         if kwargs.get("dp_cp_group") is None and dp_cp_group is not None:
             kwargs["dp_cp_group"] = dp_cp_group
-    return original(MIXER, "make_sharded_tensors_for_checkpoint")(*args, **kwargs)
+    return below(ID, MIXER, "make_sharded_tensors_for_checkpoint")(*args, **kwargs)
 
 
 @mark(ID)
@@ -100,7 +100,7 @@ def radio_column_parallel_linear(*args, **kwargs):
     group = _RADIO_TP_GROUP.get()
     if group is not None and kwargs.get("tp_group") is None:
         kwargs["tp_group"] = group
-    return original(RADIO, "ColumnParallelLinear")(*args, **kwargs)
+    return below(ID, RADIO, "ColumnParallelLinear")(*args, **kwargs)
 
 
 def _cls(module_name: str, name: str):
