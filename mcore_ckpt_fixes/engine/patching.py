@@ -93,6 +93,12 @@ def below(fix_id: str, owner, name: str):
     return original(owner, name)
 
 
+def layers(owner, name: str):
+    """``[(fix id, replacement)]`` on ``owner.name`` now, lowest first (the top is what it holds)."""
+    stack = _STACKS.get(_key(owner, name))
+    return [(layer.fix_id, layer.value) for layer in stack.layers] if stack is not None else []
+
+
 def has_layer(fix_id: str, owner, name: str) -> bool:
     """Whether ``fix_id`` has a layer on ``owner.name`` now."""
     stack = _STACKS.get(_key(owner, name))
@@ -177,6 +183,7 @@ class Patcher:
             return stack
         if like is not None and like.layers and like.top() is current:
             stack = _STACKS[key] = like.copy()
+            stack.layers = [layer for layer in stack.layers if layer.fix_id != self.fix_id]  # ours goes on next
             _OWNERS[id(owner)] = owner
             return stack
         if current is not _MISSING and is_replacement(current):
@@ -192,8 +199,12 @@ class Patcher:
         stack = _STACKS[key] = _Stack(current)
         return stack
 
-    def replace(self, owner, name: str, new, like=None) -> None:
-        """Put ``new`` on ``owner.name`` (owner: module or class) as this fix's layer."""
+    def replace(self, owner, name: str, new, like=None, bound_from=None) -> None:
+        """Put ``new`` on ``owner.name`` (owner: module or class) as this fix's layer.
+        ``bound_from``: ``(module, name)`` that ``owner.name`` binds by name (``from module import
+        name``), already replaced: its layers, ours included, may be what ``owner.name`` took."""
+        if bound_from is not None and like is None:
+            like = _STACKS.get(_key(*bound_from))
         current = owner.__dict__.get(name, _MISSING)
         stack = self._stack(owner, name, current, like)
         if any(layer.fix_id == self.fix_id or layer.value is new for layer in stack.layers):

@@ -139,18 +139,25 @@ def in_place(fix_id, modules):
     """Every binding in the target modules and the fix's definition sites (and the classes they
     define) that holds one of this fix's replacements: what the fix changed, the same whether the
     bindings were rebound (Megatron first) or bound the replacement at import (fix first)."""
-    from mcore_ckpt_fixes.engine.patching import MARK
+    from mcore_ckpt_fixes.engine.patching import MARK, layers
 
     found = set()
     modules = sorted(set(modules) | _definition_sites(fix_id))
     for owner, attr, value in snapshot(modules).values():
+        # Under another fix's layer the attribute holds that one: this fix's layer is in the stack.
+        value = next((v for f, v in layers(owner, attr) if f == fix_id), value)
         if getattr(value, MARK, None) == fix_id:
             where = (
                 owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}:{owner.__qualname__}"
             )
             # A replacement module (numpy2-product's NumPy) is named by itself: its module
             # __getattr__ would send __module__ on to NumPy.
-            what = value.__name__ if isinstance(value, types.ModuleType) else f"{value.__module__}.{value.__qualname__}"
+            if isinstance(value, types.ModuleType):
+                what = value.__name__
+            elif hasattr(value, "__qualname__"):
+                what = f"{value.__module__}.{value.__qualname__}"
+            else:  # a replacement object (param-group-identity's keys): named by its class
+                what = f"{type(value).__module__}.{type(value).__qualname__}()"
             found.add(f"{where}.{attr} = {what}")
     return sorted(found)
 

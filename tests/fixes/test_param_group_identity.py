@@ -18,6 +18,7 @@ from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.param_group_identity.checks.core"
 MODULE = "megatron.core.optimizer.optimizer"
+DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 BASE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
@@ -36,7 +37,7 @@ def test_registry():
 
 def test_unpatched_gives_two_groups_one_saved_group(worlds, mcore_version):
     for rank, r in enumerate(worlds[False]):
-        assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
+        assert r["fix_state"] == {MODULE: "disabled", DISTRIB: "disabled"}, (rank, r)
         assert (r["phase"], r["error"]) == (sc.ONE_SAVED_GROUP.phase, sc.ONE_SAVED_GROUP.error), (
             rank,
             r.get("traceback"),
@@ -47,10 +48,11 @@ def test_unpatched_gives_two_groups_one_saved_group(worlds, mcore_version):
 def test_patched_every_group_resumes_with_its_own_learning_rates(worlds):
     for rank, r in enumerate(worlds[True]):
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
-        assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
+        assert r["fix_state"] == {MODULE: "applied", DISTRIB: "applied"}, (rank, r["fix_state"])
         assert [tuple(lrs) for lrs in r["lrs"]] == [(0.01, 0.001), (0.03, 0.001), (0.01, 0.001)], r["lrs"]
-        kinds = {k.split("/")[0] for k in r["max_delta"]}
-        assert kinds == {"model", "main", "exp_avg", "exp_avg_sq"}, kinds
+        loads = {k.split("/")[0] for k in r["max_delta"]}  # the ChainedOptimizer's, the DistributedOptimizer's alone
+        kinds = {k.split("/")[1] for k in r["max_delta"]}
+        assert (loads, kinds) == ({"chained", "alone"}, {"model", "main", "exp_avg", "exp_avg_sq"}), (loads, kinds)
         assert set(r["max_delta"].values()) == {0.0}, {k: d for k, d in r["max_delta"].items() if d}
 
 
@@ -91,7 +93,40 @@ def test_changed_override_keeps_the_release_matching_and_warns(mcore_version):
         out = m.MegatronOptimizer._filter_and_reorder_param_groups(current, saved)
     assert [g["max_lr"] for g in out] == [0.03, 0.03]  # what the release does
     assert [w for w in caught if issubclass(w.category, MegatronPatchWarning)], [str(w.message) for w in caught]
-    assert m.param_group_identifier_keys == BASE  # put back after the call
+    assert m.param_group_identifier_keys == BASE and tuple(m.param_group_identifier_keys) == BASE
+
+
+def test_chosen_keys_are_the_loading_context_s_only(mcore_version):
+    """While one thread loads with the longer keys, another thread's matching iterates the
+    release's: nothing is swapped in the module for the length of a call."""
+    if mcore_version not in FIX.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    import threading
+
+    import mcore_ckpt_fixes
+    import megatron.core.optimizer.distrib_optimizer as d
+    import megatron.core.optimizer.optimizer as m
+    from mcore_ckpt_fixes.fixes.param_group_identity.runtime import core
+
+    mcore_ckpt_fixes.apply()
+    assert m.param_group_identifier_keys is d.param_group_identifier_keys
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def loading():
+        with core._matching_by(BASE + ("max_lr",)):
+            seen["loading"] = tuple(m.param_group_identifier_keys)
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=loading)
+    t.start()
+    assert inside.wait(30)
+    seen["other"] = tuple(d.param_group_identifier_keys)
+    done.set()
+    t.join(30)
+    assert seen == {"loading": BASE + ("max_lr",), "other": BASE}, seen
+    assert tuple(m.param_group_identifier_keys) == BASE
 
 
 def test_probe(mcore_version):

@@ -15,10 +15,12 @@ the scheduler drives that group at the wrong learning rate from the first resume
 How (runtime/core.py): during a load, the identifier keys are the release's plus every override key
 all groups carry, where the release's alone leave two groups alike and the longer ones match every
 current group to exactly one saved group; otherwise (an override changed since the save) the
-release's matching, with a warning naming the groups. Wrapped: ``ChainedOptimizer.load_state_dict``
-(what ``get_megatron_optimizer`` returns and ``load_checkpoint`` calls) and
-``MegatronOptimizer._filter_and_reorder_param_groups``. A ``DistributedOptimizer`` loaded on its own,
-outside a ``ChainedOptimizer``, is covered by the source diff only.
+release's matching, with a warning naming the groups. Replaced: ``DistributedOptimizer.load_state_dict``
+(standalone, as Megatron-FSDP returns it, or inside the ``ChainedOptimizer`` that
+``get_megatron_optimizer`` returns and ``load_checkpoint`` loads) and
+``MegatronOptimizer._filter_and_reorder_param_groups`` (the other optimizers), and in both modules
+``param_group_identifier_keys``, by a tuple equal to the release's that iterates the chosen keys
+inside those two methods only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ...engine.fix import Fix, Target
 
 ID = "param-group-identity"
 MODULE = "megatron.core.optimizer.optimizer"
+DISTRIB_MODULE = "megatron.core.optimizer.distrib_optimizer"
 
 FIX = Fix(
     id=ID,
@@ -36,5 +39,8 @@ FIX = Fix(
     ),
     affected=">=0.16.0,<0.19.0",
     upstream=("fixed in Megatron-Core 0.19.0 (param_group_identifier_keys include every ParamGroupOverride key)",),
-    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
+    targets=(
+        Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),
+        Target(DISTRIB_MODULE, f"{__name__}.runtime.core:probe_distrib", f"{__name__}.runtime.core:apply_distrib"),
+    ),
 )

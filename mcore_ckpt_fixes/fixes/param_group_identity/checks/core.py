@@ -2,14 +2,15 @@
 (:mod:`mcore_ckpt_fixes.testing.dist_optimizer`) built by ``get_megatron_optimizer`` with a
 decoupled learning rate (Megatron-LM's ``--decoupled-lr``: the embedding and output layer's group
 gets its own ``max_lr``), saved and loaded with ``dist_checkpointing`` through the
-``ChainedOptimizer`` that function returns, on 2 gloo ranks (DP=2), on Apex FusedAdam's path (the CPU
+``ChainedOptimizer`` that function returns and through its ``DistributedOptimizer`` on its own (as
+Megatron-FSDP's setup returns one), on 2 gloo ranks (DP=2), on Apex FusedAdam's path (the CPU
 stand-in of :mod:`mcore_ckpt_fixes.testing.fused_adam`).
 
 A source run takes ``STEPS`` optimizer steps and saves; a target run (other initial values) builds
 Megatron's own load request (``is_loading=True``) and loads. Checked on every rank: every parameter
-group's ``max_lr`` and ``min_lr`` after the load are the source's (phase ``groups``, one
-``AssertionError`` line otherwise; the release gives the groups alike but for ``max_lr`` one saved
-group); the main parameters and moments equal what was saved (``max_delta``).
+group's ``max_lr`` and ``min_lr`` after both loads are the source's (phase ``groups``, one
+``AssertionError`` line naming each load that differs; the release gives the groups alike but for
+``max_lr`` one saved group in both); the main parameters and moments equal what was saved (``max_delta``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ....testing.dist_optimizer import build, distributed, local_state, step, wo
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
-from .. import ID, MODULE
+from .. import DISTRIB_MODULE, ID, MODULE
 
 STEPS = 2
 SOURCE_SEED, TARGET_SEED = 1234, 98765
@@ -41,35 +42,47 @@ def _lrs(opt):
     return [(g["max_lr"], g["min_lr"]) for d in distributed(opt) for g in d.optimizer.param_groups]
 
 
-def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+def _save_and_load(source, source_opt, target, target_opt, path):
     from megatron.core import dist_checkpointing
 
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_request(source, source_opt, False), path)
+    loaded = dist_checkpointing.load(_request(target, target_opt, True), path)
+    target.module.load_state_dict(loaded["model"])
+    target_opt.load_state_dict(loaded["optimizer"])
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     rt = RoundTrip(case="decoupled_lr", sharding_type="dp_reshardable", steps=None)
     with world(), rt.running(), optimizer_path(apex=True):
         rt.phase("precondition")
-        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt["fix_state"] = fix_states(ID, (MODULE, DISTRIB_MODULE), patched)
         rt.phase("save")
         model, opt = build(SOURCE_SEED, decoupled_lr=DECOUPLED_LR)
         saved_lrs = _lrs(opt)
         assert DECOUPLED_LR in {m for m, _ in saved_lrs}, saved_lrs
         for i in range(STEPS):
             step(model, opt, i)
-        path = os.path.join(ckpt_dir, "decoupled_lr")
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(_request(model, opt, False), path)
         saved = local_state(model, opt)
         rt["lrs"] = saved_lrs
-        target, target_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
         rt.phase("load")
-        loaded = dist_checkpointing.load(_request(target, target_opt, True), path)
-        target.module.load_state_dict(loaded["model"])
-        target_opt.load_state_dict(loaded["optimizer"])
+        # What load_checkpoint loads (get_megatron_optimizer's ChainedOptimizer), and the
+        # DistributedOptimizer on its own (as Megatron-FSDP's setup returns it).
+        target, target_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
+        _save_and_load(model, opt, target, target_opt, os.path.join(ckpt_dir, "chained"))
+        alone, alone_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
+        (source_inner,), (alone_inner,) = distributed(opt), distributed(alone_opt)
+        _save_and_load(model, source_inner, alone, alone_inner, os.path.join(ckpt_dir, "alone"))
         rt.phase("groups")
-        if _lrs(target_opt) != saved_lrs:
+        wrong = [
+            f"{how} {_lrs(o)}" for how, o in (("chained", target_opt), ("alone", alone_opt)) if _lrs(o) != saved_lrs
+        ]
+        if wrong:
             raise AssertionError(
-                f"param groups' (max_lr, min_lr) after the load: {_lrs(target_opt)}, saved: {saved_lrs}"
+                f"param groups' (max_lr, min_lr) after the load, saved {saved_lrs}: {'; '.join(wrong)}"
             )
-        rt.compare(saved, local_state(target, target_opt))
+        rt.compare(saved, local_state(target, target_opt), prefix="chained/")
+        rt.compare(saved, local_state(alone, alone_opt), prefix="alone/")
     return rt.result

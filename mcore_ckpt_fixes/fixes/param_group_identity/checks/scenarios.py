@@ -10,11 +10,13 @@ from ....testing.registry import Bug, Scenario
 from .. import ID
 
 _CORE = f"{__package__}.core"
-# The groups alike but for max_lr both take the decoupled group (saved last among them).
+# The groups alike but for max_lr both take the decoupled group (saved last among them), loaded
+# through the ChainedOptimizer and through its DistributedOptimizer alone.
 ONE_SAVED_GROUP = Bug.raises(
     "groups",
-    "AssertionError: param groups' (max_lr, min_lr) after the load: [(0.03, 0.001), (0.03, 0.001), "
-    "(0.01, 0.001)], saved: [(0.01, 0.001), (0.03, 0.001), (0.01, 0.001)]",
+    "AssertionError: param groups' (max_lr, min_lr) after the load, saved [(0.01, 0.001), (0.03, 0.001), "
+    "(0.01, 0.001)]: chained [(0.03, 0.001), (0.03, 0.001), (0.01, 0.001)]; alone [(0.03, 0.001), (0.03, 0.001), "
+    "(0.01, 0.001)]",
 )
 
 SCENARIOS = (

@@ -1,37 +1,66 @@
-"""param-group-identity's monkeypatch on ``megatron.core.optimizer.optimizer``: wrappers of
-``ChainedOptimizer.load_state_dict`` and ``MegatronOptimizer._filter_and_reorder_param_groups``, the
-probe and apply. Why: the package's docstring. Imported only when the target module is.
+"""param-group-identity's monkeypatch on ``megatron.core.optimizer.optimizer`` and
+``distrib_optimizer``: ``MegatronOptimizer._filter_and_reorder_param_groups`` and
+``DistributedOptimizer.load_state_dict`` (a standalone one, as Megatron-FSDP returns, or each one a
+``ChainedOptimizer`` holds, whose load and load request call it), the probe and apply. Why: the
+package's docstring. Imported only when a target module is.
 
-Both wrappers hand the call to the release's own method with ``param_group_identifier_keys`` (a
-module global of ``optimizer`` and of ``distrib_optimizer``, read by their matching code at call
-time) set to the keys :func:`_param_group_identifier_keys_for` chose, for the duration of the call.
+Both modules' ``param_group_identifier_keys`` (what their matching code iterates) become
+:class:`IdentifierKeys`: the release's tuple, equal to it in every way, except that inside one of
+the two replaced methods it iterates the keys :func:`_param_group_identifier_keys_for` chose for that
+load. The choice lives in a context variable of this module, so a thread or task loading another
+optimizer at the same time sees its own keys (or the release's); nothing is swapped during a call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import types
 import warnings
 
 from ....engine.errors import MegatronPatchWarning
-from ....engine.patching import MARK, Patcher, is_replacement, original
-from .. import ID, MODULE
+from ....engine.patching import MARK, Patcher, below, is_replacement, original
+from .. import DISTRIB_MODULE, ID, MODULE
 
-DISTRIB_MODULE = "megatron.core.optimizer.distrib_optimizer"
 GLOBAL = "param_group_identifier_keys"
 
+# The keys chosen for the load running in this context; None: the release's.
+_CHOSEN = contextvars.ContextVar("mcore_ckpt_fixes_param_group_identifier_keys", default=None)
 
-# The release's param_group_identifier_keys, taken at apply (outside any load's swap).
-_RELEASE: dict = {}
+
+class IdentifierKeys(tuple):
+    """The release's ``param_group_identifier_keys``; iterated inside a load this fix matches, the
+    keys chosen for it."""
+
+    __slots__ = ()
+
+    def __iter__(self):
+        chosen = _CHOSEN.get()
+        return iter(chosen) if chosen is not None else tuple.__iter__(self)
+
+    def __repr__(self):  # the release's messages print the keys they matched by
+        return repr(tuple(iter(self)))
+
+    def __reduce__(self):
+        return (tuple, (tuple(tuple.__iter__(self)),))
+
+
+setattr(IdentifierKeys, MARK, ID)
+
+# The one object both modules hold (taken from the release's tuple at the first apply).
+_INSTALLED: dict = {}
 
 
 def _release_keys():
-    return _RELEASE.get(GLOBAL) or tuple(vars(sys.modules[MODULE]).get(GLOBAL, ()))
+    keys = _INSTALLED.get(GLOBAL)
+    if keys is not None:
+        return tuple(tuple.__iter__(keys))
+    return tuple(tuple.__iter__(vars(sys.modules[MODULE]).get(GLOBAL, ())))
 
 
-# The release's tuple, whatever the module holds during a swap (read by the helper below, whose text
-# the source diff carries: in the release's module this name is its own global).
+# The release's tuple, whatever a load chose (read by the helper below, whose text the source diff
+# carries: in the release's module this name is its own global).
 class _ReleaseKeys:
     def __iter__(self):
         return iter(_release_keys())
@@ -76,19 +105,14 @@ def _param_group_identifier_keys_for(current_groups, saved_groups):
 
 
 @contextlib.contextmanager
-def _identifier_keys(keys):
-    """``param_group_identifier_keys`` is ``keys`` in the modules that match groups, in the block."""
-    held = []
-    for name in (MODULE, DISTRIB_MODULE):
-        module = sys.modules.get(name)
-        if module is not None and GLOBAL in vars(module):
-            held.append((module, vars(module)[GLOBAL]))
-            setattr(module, GLOBAL, tuple(keys))
+def _matching_by(keys):
+    """Inside the block, this context's matching iterates ``keys`` (the release's: nothing set)."""
+    token = _CHOSEN.set(tuple(keys)) if tuple(keys) != _release_keys() else None
     try:
         yield
     finally:
-        for module, value in reversed(held):
-            setattr(module, GLOBAL, value)
+        if token is not None:
+            _CHOSEN.reset(token)
 
 
 def _warn_if_still_alike(current_groups, keys):
@@ -100,74 +124,40 @@ def _warn_if_still_alike(current_groups, keys):
             "match the checkpoint's (an override changed since the save): they resume with one saved "
             "group's max_lr/min_lr, as Megatron-Core before 0.19 does",
             MegatronPatchWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
-def _keys_for(pairs):
-    """One set of keys for every (current groups, saved groups) pair of a load, or the release's."""
-    chosen = {_param_group_identifier_keys_for(current, saved) for current, saved in pairs}
-    keys = chosen.pop() if len(chosen) == 1 else tuple(_release_keys())
-    for current, _ in pairs:
-        _warn_if_still_alike(current, keys)
+def _keys_for(current_groups, saved_groups):
+    keys = _param_group_identifier_keys_for(current_groups, saved_groups)
+    _warn_if_still_alike(current_groups, keys)
     return keys
 
 
 def filter_and_reorder_param_groups(current_groups, state_dict_groups):
-    """``MegatronOptimizer._filter_and_reorder_param_groups`` (a staticmethod) with the keys that
-    tell the groups apart."""
-    release = original(sys.modules[MODULE].MegatronOptimizer, "_filter_and_reorder_param_groups")
-    with _identifier_keys(_keys_for([(current_groups, state_dict_groups)])):
-        return release(current_groups, state_dict_groups)
+    """``MegatronOptimizer._filter_and_reorder_param_groups`` (a staticmethod; the non-distributed
+    optimizers' load) matching by the keys that tell the groups apart."""
+    below_us = below(ID, sys.modules[MODULE].MegatronOptimizer, "_filter_and_reorder_param_groups")
+    with _matching_by(_keys_for(current_groups, state_dict_groups)):
+        return below_us(current_groups, state_dict_groups)
 
 
-def _pairs(self, state_dict):
-    """(current groups, saved groups) per chained optimizer, or None for a state dict of another shape."""
-    subs = self.chained_optimizers
-    if len(subs) == 1:
-        states = [state_dict]
-    elif isinstance(state_dict, dict):
-        states = [v for _, v in sorted(state_dict.items())]
-    elif isinstance(state_dict, (list, tuple)):
-        states = list(state_dict)
-    else:
-        return None
-    out = []
-    for sub, state in zip(subs, states):
-        inner = state.get("optimizer", state.get("optimizer_state_dict")) if isinstance(state, dict) else None
-        groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        current = getattr(getattr(sub, "optimizer", None), "param_groups", None)
-        if groups is None or current is None:
-            return None
-        out.append((current, groups))
-    return out
-
-
-def chained_load_state_dict(self, state_dict):
-    """``ChainedOptimizer.load_state_dict`` with the keys that tell every sub-optimizer's groups apart."""
-    release = original(sys.modules[MODULE].ChainedOptimizer, "load_state_dict")
-    pairs = _pairs(self, state_dict)
-    if not pairs:
-        return release(self, state_dict)
-    with _identifier_keys(_keys_for(pairs)):
-        return release(self, state_dict)
-
-
-def chained_sharded_state_dict(self, *args, **kwargs):
-    """``ChainedOptimizer.sharded_state_dict``: a load request (``is_loading``) makes each
-    ``DistributedOptimizer`` load its own state into itself first (``load_state_dict(state_dict())``),
-    which matches its groups to themselves: with the keys that tell them apart."""
-    release = original(sys.modules[MODULE].ChainedOptimizer, "sharded_state_dict")
-    groups = [getattr(getattr(sub, "optimizer", None), "param_groups", None) for sub in self.chained_optimizers]
-    if any(g is None for g in groups):
-        return release(self, *args, **kwargs)
-    with _identifier_keys(_keys_for([(g, g) for g in groups])):
-        return release(self, *args, **kwargs)
+def distrib_load_state_dict(self, state_dict):
+    """``DistributedOptimizer.load_state_dict`` matching the checkpoint's parameter groups to the
+    optimizer's by the keys that tell them apart (a load request loads the optimizer's own state
+    into itself through here too)."""
+    below_us = below(ID, sys.modules[DISTRIB_MODULE].DistributedOptimizer, "load_state_dict")
+    inner = state_dict.get("optimizer") if isinstance(state_dict, dict) else None
+    saved = inner.get("param_groups") if isinstance(inner, dict) else None
+    current = getattr(getattr(self, "optimizer", None), "param_groups", None)
+    if not isinstance(saved, list) or current is None:
+        return below_us(self, state_dict)
+    with _matching_by(_keys_for(current, saved)):
+        return below_us(self, state_dict)
 
 
 setattr(filter_and_reorder_param_groups, MARK, ID)
-setattr(chained_load_state_dict, MARK, ID)
-setattr(chained_sharded_state_dict, MARK, ID)
+setattr(distrib_load_state_dict, MARK, ID)
 STATIC_FILTER = staticmethod(filter_and_reorder_param_groups)
 setattr(STATIC_FILTER, MARK, ID)
 
@@ -201,9 +191,25 @@ def probe(module: types.ModuleType):
     return True, "parameter groups that differ only in max_lr take one saved group on load (the other's max_lr)"
 
 
+def _keys_object(module):
+    held = vars(module)[GLOBAL]
+    if isinstance(held, IdentifierKeys):
+        return held
+    return _INSTALLED.setdefault(GLOBAL, IdentifierKeys(held))
+
+
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    _RELEASE[GLOBAL] = tuple(vars(module)[GLOBAL])
+    patcher.replace(module, GLOBAL, _keys_object(module))
     patcher.replace(module.MegatronOptimizer, "_filter_and_reorder_param_groups", STATIC_FILTER)
-    if "ChainedOptimizer" in vars(module):
-        patcher.replace(module.ChainedOptimizer, "load_state_dict", chained_load_state_dict)
-        patcher.replace(module.ChainedOptimizer, "sharded_state_dict", chained_sharded_state_dict)
+
+
+def probe_distrib(module: types.ModuleType):
+    cls = module.__dict__.get("DistributedOptimizer")
+    if cls is None or "load_state_dict" not in cls.__dict__ or GLOBAL not in vars(module):
+        return None, f"{DISTRIB_MODULE} matches no saved parameter groups by identifier keys"
+    return probe(sys.modules[MODULE])
+
+
+def apply_distrib(module: types.ModuleType, patcher: Patcher) -> None:
+    patcher.replace(module, GLOBAL, _keys_object(sys.modules[MODULE]), bound_from=(sys.modules[MODULE], GLOBAL))
+    patcher.replace(module.DistributedOptimizer, "load_state_dict", distrib_load_state_dict)
