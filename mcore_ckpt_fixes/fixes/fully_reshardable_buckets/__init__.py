@@ -18,7 +18,10 @@ checkpoint is wrong for any other layout too.
 
 How (runtime/core.py): inside ``sharded_param_state_fully_reshardable`` the gathered world tensors are
 laid out as the gradient buffer is (each bucket's values at its offset, the padding zero), which is
-where the release's slicing looks; everything else is the release's code. Only where a buffer's
+where the release's slicing looks; everything else is the release's code. Replaced: that method and
+``DistributedOptimizer.get_parameter_state_dp_zero``, which lays its result out so only when that
+optimizer's fully_reshardable save called it, in that thread (every other caller gets the release's
+layout). Only where a buffer's
 buckets really sit at different places in the two layouts. Checkpoints the release wrote with one
 bucket per buffer are unchanged, byte for byte.
 """

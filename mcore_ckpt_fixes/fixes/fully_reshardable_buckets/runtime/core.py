@@ -1,14 +1,21 @@
-"""fully-reshardable-buckets' monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: a wrapper
-of ``DistributedOptimizer.sharded_param_state_fully_reshardable``, the probe and apply. Why: the
-package's docstring. Imported only when the target module is.
+"""fully-reshardable-buckets' monkeypatch on ``megatron.core.optimizer.distrib_optimizer``:
+``DistributedOptimizer.sharded_param_state_fully_reshardable`` and the gather it calls,
+``get_parameter_state_dp_zero``, the probe and apply. Why: the package's docstring. Imported only
+when the target module is.
+
+The save marks, in a context variable of this module, which optimizer it runs for; the gather lays
+its result out as the gradient buffers for that optimizer in that context only (a thread saving
+another optimizer, or the ``torch`` format's save, gets the release's layout). Nothing is swapped on
+the instance for the length of a call.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import types
 
-from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.patching import Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -60,27 +67,35 @@ def _laid_out_as_the_buffers(self, state):
     return state
 
 
+# The distributed optimizer whose fully_reshardable save runs in this context (its gather is read
+# laid out as its gradient buffers), or None.
+_SAVING = contextvars.ContextVar("mcore_ckpt_fixes_fully_reshardable_saving", default=None)
+
+
 @mark(ID)
 def sharded_param_state_fully_reshardable(self, *args, **kwargs):
-    """The release's method, reading world tensors laid out as the gradient buffers (where it looks
-    each parameter up), wherever a buffer's buckets sit elsewhere in the gathered world tensor."""
-    release = original(_cls(), METHOD)
+    """The release's method; inside it, this optimizer's gather (:func:`get_parameter_state_dp_zero`)
+    gives world tensors laid out as the gradient buffers, where the method looks each parameter up,
+    wherever a buffer's buckets sit elsewhere in the gathered world tensor."""
+    below_us = below(ID, _cls(), METHOD)
     if not any(any(_bucket_shifts(b)) for b in self.buffers):
-        return release(self, *args, **kwargs)
-    gather = getattr(self, GATHER)  # the class's (or an instance's own) gather, bound
-
-    def gather_laid_out_as_the_buffers(*gather_args, **gather_kwargs):
-        return _laid_out_as_the_buffers(self, gather(*gather_args, **gather_kwargs))
-
-    had_own = GATHER in self.__dict__
-    self.__dict__[GATHER] = gather_laid_out_as_the_buffers
+        return below_us(self, *args, **kwargs)
+    token = _SAVING.set(self)
     try:
-        return release(self, *args, **kwargs)
+        return below_us(self, *args, **kwargs)
     finally:
-        if had_own:
-            self.__dict__[GATHER] = gather
-        else:
-            del self.__dict__[GATHER]
+        _SAVING.reset(token)
+
+
+@mark(ID)
+def get_parameter_state_dp_zero(self, *args, **kwargs):
+    """``DistributedOptimizer.get_parameter_state_dp_zero``: the release's gather; called for this
+    optimizer's fully_reshardable save in this context, laid out as the gradient buffers. Every other
+    caller (the ``torch`` format's save, dp_zero checkpoints) gets the release's layout."""
+    state = below(ID, _cls(), GATHER)(self, *args, **kwargs)
+    if _SAVING.get() is self:
+        return _laid_out_as_the_buffers(self, state)
+    return state
 
 
 # -- probe: the release's own method on an inert stand-in -------------------------------------------
@@ -129,3 +144,4 @@ def probe(module: types.ModuleType):
 
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace(module.__dict__[CLASS], METHOD, sharded_param_state_fully_reshardable)
+    patcher.replace(module.__dict__[CLASS], GATHER, get_parameter_state_dp_zero)
