@@ -19,6 +19,7 @@ from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.legacy_save_writers.checks.core"
 MODULE = "megatron.training.checkpointing"
+FILE = "iter_0000001/mp_rank_0{}/model_optim_rng.pt"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,10 @@ def test_patched_every_file_written_and_loaded_exactly(worlds):
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
         assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
         assert r["max_delta"] and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
+        # Every file once, by one rank: TP=2 two names, one each; DP=2 one name, one writer.
+        assert r["writers"] == {"tp2": {FILE.format(0): [0], FILE.format(1): [1]}, "dp2": {FILE.format(0): [0]}}, r[
+            "writers"
+        ]
 
 
 def test_probe(mcore_version):
@@ -61,17 +66,22 @@ def test_probe(mcore_version):
     assert verdict is (mcore_version in FIX.specifiers), why
 
 
-def test_the_view_answers_only_in_the_saving_thread_and_is_removed():
+def test_the_view_answers_only_inside_a_save_in_its_own_context():
+    """The module's ``mpu`` is the view from apply on (recorded, reverted with the fix): outside a
+    save, and in any other thread during one, it is ``parallel_state``'s own answers."""
     from mcore_ckpt_fixes.fixes.legacy_save_writers.runtime import core
 
     real = types.SimpleNamespace(get_expert_data_parallel_rank=lambda: 0, get_data_parallel_rank=lambda: 0)
-    module = types.SimpleNamespace(mpu=real)
-    seen = {}
-    with core._elected(module, writer=False):
-        seen["saving"] = module.mpu.get_expert_data_parallel_rank()
-        seen["other"] = module.mpu.get_data_parallel_rank()
-        t = threading.Thread(target=lambda: seen.update(thread=module.mpu.get_expert_data_parallel_rank()))
+    view = core.ElectedWriterView(real)
+    seen = {"before": view.get_expert_data_parallel_rank()}
+    token = core._ANSWER.set(1)  # what save_checkpoint sets on a rank not elected to write its file
+    try:
+        seen["saving"] = view.get_expert_data_parallel_rank()
+        seen["other"] = view.get_data_parallel_rank()
+        t = threading.Thread(target=lambda: seen.update(thread=view.get_expert_data_parallel_rank()))
         t.start()
         t.join()
-    assert seen == {"saving": 1, "other": 0, "thread": 0}, seen
-    assert module.mpu is real
+    finally:
+        core._ANSWER.reset(token)
+    seen["after"] = view.get_expert_data_parallel_rank()
+    assert seen == {"before": 0, "saving": 1, "other": 0, "thread": 0, "after": 0}, seen

@@ -15,10 +15,10 @@ How: ``save_checkpoint`` is wrapped. During a legacy save (not ``torch_dist`` / 
 ``fsdp_dtensor``, not non-persistent) every rank computes the file name the release will write for
 it, the ranks exchange those names (one ``all_gather_object`` per legacy save), and the lowest
 global rank of each name writes it: every file once, never two ranks on one file. The release's own
-condition makes the decision: for the length of that call, in the saving thread only, the module's
-``mpu`` answers ``get_expert_data_parallel_rank()`` with 0 on the elected rank and 1 on the others
-(every other ``mpu`` call is ``parallel_state``'s own); afterwards the module's ``mpu`` is
-``parallel_state`` again. The files hold what the release writes; a checkpoint saved with the fix
+condition makes the decision: the module's ``mpu`` is replaced at apply by a view of
+``parallel_state`` that, inside such a save and in its context (thread, task) only, answers
+``get_expert_data_parallel_rank()`` with 0 on the elected rank and 1 on the others; every other
+``mpu`` call, and every call outside a legacy save, is ``parallel_state``'s own. The files hold what the release writes; a checkpoint saved with the fix
 loads on any release.
 """
 

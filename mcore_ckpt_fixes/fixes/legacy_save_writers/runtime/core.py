@@ -1,5 +1,8 @@
 """legacy-save-writers' monkeypatch: the probe (the release's own writer condition on inert
-stand-ins) and ``save_checkpoint`` wrapped so that one rank per legacy file name writes it. Imported
+stand-ins) and ``save_checkpoint`` wrapped so that one rank per legacy file name writes it: the
+save elects this rank or not in a context variable, and the module's ``mpu`` (replaced at apply by
+:class:`ElectedWriterView`) answers the release's writer condition from it; nothing is swapped in the
+module for the length of a save. Imported
 only when ``megatron.training.checkpointing`` is; the declaration and why are in the package's
 docstring (:mod:`mcore_ckpt_fixes.fixes.legacy_save_writers`).
 """
@@ -7,16 +10,15 @@ docstring (:mod:`mcore_ckpt_fixes.fixes.legacy_save_writers`).
 from __future__ import annotations
 
 import ast
-import contextlib
+import contextvars
 import inspect
 import sys
 import textwrap
-import threading
 import types
 
 import torch
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.patching import MARK, Patcher, below, is_replacement, mark, original
 from .. import ID, MODULE
 
 NAME = "save_checkpoint"
@@ -38,47 +40,31 @@ def _writes_legacy_checkpoint(checkpoint_name):
 # -- end of replacement ---
 
 
-class _ElectedWriterView:
-    """``parallel_state`` as ``save_checkpoint`` reads it during a legacy save: in a saving thread,
-    ``get_expert_data_parallel_rank()`` answers 0 on the rank elected to write its file and 1 on
-    the others (the release writes where it is 0); every other name, and every other thread, gets
-    ``parallel_state``'s own."""
+# This context's answer for the legacy save it runs (0: this rank writes its file, 1: it does not), or None.
+_ANSWER = contextvars.ContextVar("mcore_ckpt_fixes_legacy_writer", default=None)
+
+
+class ElectedWriterView:
+    """``parallel_state`` as ``megatron.training.checkpointing`` reads it (its ``mpu``): inside a
+    legacy save, ``get_expert_data_parallel_rank()`` answers 0 on the rank elected to write its file
+    and 1 on the others (the release writes where it is 0); every other name, and every call outside
+    such a save (another thread, another task), is ``parallel_state``'s own."""
 
     def __init__(self, real):
         self.real = real
-        self.answers = {}  # thread id -> the answer for that thread's save
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
+    def __repr__(self):
+        return f"<{type(self).__name__} of {self.real!r}>"
+
     def get_expert_data_parallel_rank(self, *args, **kwargs):
-        answer = self.answers.get(threading.get_ident())
+        answer = _ANSWER.get()
         return self.real.get_expert_data_parallel_rank(*args, **kwargs) if answer is None else answer
 
 
-_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _elected(module, writer: bool):
-    """For the length of one save, the module's ``mpu`` is the view, answering for this thread."""
-    tid = threading.get_ident()
-    with _LOCK:
-        current = module.__dict__["mpu"]
-        view = current if isinstance(current, _ElectedWriterView) else _ElectedWriterView(current)
-        previous = view.answers.get(tid)
-        view.answers[tid] = 0 if writer else 1
-        module.mpu = view
-    try:
-        yield
-    finally:
-        with _LOCK:
-            if previous is None:
-                view.answers.pop(tid, None)
-            else:
-                view.answers[tid] = previous
-            if not view.answers and module.__dict__.get("mpu") is view:
-                module.mpu = view.real
+setattr(ElectedWriterView, MARK, ID)
 
 
 def _legacy_checkpoint_name(module, fn, args, kwargs):
@@ -113,8 +99,11 @@ def save_checkpoint(*args, **kwargs):
     name = _legacy_checkpoint_name(module, fn, args, kwargs)
     if name is None:
         return fn(*args, **kwargs)
-    with _elected(module, _writes_legacy_checkpoint(name)):
+    token = _ANSWER.set(0 if _writes_legacy_checkpoint(name) else 1)
+    try:
         return fn(*args, **kwargs)
+    finally:
+        _ANSWER.reset(token)
 
 
 # -- probe: the release's own writer condition on inert stand-ins ----------------------------------
@@ -183,5 +172,13 @@ def probe(module: types.ModuleType):
     )
 
 
+# One view per parallel_state module: applied again after a revert, the fix puts the same object back.
+_VIEWS: dict = {}
+
+
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
+    held = module.__dict__["mpu"]
+    if not isinstance(held, ElectedWriterView):
+        held = _VIEWS.setdefault(id(held), ElectedWriterView(held))
+    patcher.replace(module, "mpu", held)
     patcher.replace_function(module, NAME, save_checkpoint)
