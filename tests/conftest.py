@@ -111,8 +111,11 @@ def mcore_version():
 
 def resume_fail_text(mode_out):
     """What a resume check's mode (``on``, ``off``, ``only``) got wrong, for an assertion message:
-    the error, or per inexact rank where the losses and which values differ."""
-    if mode_out["verdict"] == "error":
+    the error, or per inexact rank where the losses and which values differ; per way of resuming
+    where run C resumed several ways."""
+    if "ways" in mode_out:
+        return "\n".join(f"{' '.join(w['args'])}: {resume_fail_text(w)}" for w in mode_out["ways"])
+    if mode_out["verdict"] == "error" or "ranks" not in mode_out:
         return f"{mode_out['error']}\n{mode_out.get('detail') or ''}"
     return "\n".join(
         f"rank {r['rank']} (ep {r['ep']}, tp {r['tp']}): losses differ at {r['losses_differ']}, "

@@ -2,9 +2,11 @@
 
 Per configuration, with the fixes at their defaults and with every fix off: exact (the resumed
 run is bit for bit the uninterrupted one on every rank), or the first resumed step, the rank and
-the state that differ. With ``attribution``, each configuration that needs fixes also runs with only
-those on. Exit 0 only when every configuration is exact with the fixes on (and with only its own,
-where run); 1 when one is not (or could not run); 2 when the check cannot run here at all.
+the state that differ; a configuration of options whose resume is not meant to be exact, as the
+release's own resume (the same bits or error) or where it differs. With ``attribution``, each
+configuration that needs fixes also runs with only those on. Exit 0 only when every configuration is
+exact (or as the release) with the fixes on (and with only its own, where run); 1 when one is not (or
+could not run); 2 when the check cannot run here at all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .selftest_run import captured, progress, set_aside_user_flags, stack
 
 def _off_note(cfg_out) -> str:
     off, needed = cfg_out.get("off", {}), cfg_out["needed_here"]
+    if cfg_out.get("expect") == "as-release":
+        return "the release's own resume, not meant to equal the uninterrupted run"
     if off.get("verdict") == "inexact" and not needed:
         return "unexpected: no fix this configuration needs applies here"
     if off.get("verdict") == "exact" and needed:
@@ -42,17 +46,34 @@ def _progress_text(row) -> str:
 
 
 def describe(mode_out) -> str:
-    """One line: exact, the error, or where the resumed run first differs."""
-    if mode_out["verdict"] == "error":
-        return f"ERROR ({mode_out['error']})"
-    if mode_out["verdict"] == "exact":
+    """One line: exact, the error, or where the resumed run first differs; for a run held to the
+    release's own resume (``as-release``), the same bits or error as the release, or where it
+    differs; for several ways of resuming, how many ended each way (:func:`_print` lists them)."""
+    verdict = mode_out["verdict"]
+    if "ways" in mode_out:
+        counts = {}
+        for way in mode_out["ways"]:
+            counts[way["verdict"]] = counts.get(way["verdict"], 0) + 1
+        return f"{verdict} ({', '.join(f'{v}: {n}' for v, n in counts.items())}, of {len(mode_out['ways'])} ways)"
+    if verdict == "as-release" and mode_out["same"] == "error":
+        return f"as the release: the same error ({mode_out['error']})"
+    if verdict == "error" or "ranks" not in mode_out:
+        return f"{'ERROR' if verdict == 'error' else 'DIFFERS from the release'} ({mode_out['error']})"
+    if verdict in ("exact", "as-release"):
         n = sum(r["n_compared"] for r in mode_out["ranks"])
-        return f"exact ({len(mode_out['ranks'])} ranks, {n} values)"
+        what = "exact" if verdict == "exact" else "as the release, bit for bit"
+        return f"{what} ({len(mode_out['ranks'])} ranks, {n} values)"
     bad = [r for r in mode_out["ranks"] if not r["exact"]]
     first = min(bad, key=lambda r: (r["first_step"] is None, r["first_step"] or 0, r["rank"]))
     where = f"step {first['first_step']}" if first["first_step"] is not None else "final state only"
     ranks = ", ".join(f"{r['rank']} (ep {r['ep']}, tp {r['tp']}): {r['n_differ']} values" for r in bad)
-    return f"inexact from {where} on rank {first['rank']}; ranks {ranks}; e.g. {', '.join(first['differ'][:3])}"
+    what = "inexact" if verdict == "inexact" else "DIFFERS from the release"
+    return f"{what} from {where} on rank {first['rank']}; ranks {ranks}; e.g. {', '.join(first['differ'][:3])}"
+
+
+def _print_ways(mode_out) -> None:
+    for way in mode_out.get("ways", []):
+        print(f"      {' '.join(way['args'])}: {describe(way)}")
 
 
 def _unchanged(verdict) -> str:
@@ -75,6 +96,7 @@ def _print(rows, info, torch_version, device, total, code) -> None:
             print(f"    not applicable: {row['not_applicable']}")
             continue
         print(f"    fixes on:  {describe(row['on'])}")
+        _print_ways(row["on"])
         if "unchanged" in row["on"]:
             print(f"    unchanged: {_unchanged(row['on']['unchanged'])}")
         if "known_bug" in row:
@@ -85,11 +107,14 @@ def _print(rows, info, torch_version, device, total, code) -> None:
             continue
         note = _off_note(row)
         print(f"    fixes off: {describe(row['off'])}" + (f"  [{note}]" if note else ""))
+        _print_ways(row["off"])
         if "only" in row:
             print(f"    only {', '.join(row['needs'])}: {describe(row['only'])}")
     verdict = (
         "every configuration exact with the fixes on" if code == 0 else "a configuration is not exact with the fixes on"
     )
+    if code == 0 and any(row.get("expect") == "as-release" for row in rows):
+        verdict += " (or as the release, where the resume is not meant to be exact)"
     if code == 0 and any("only" in row for row in rows):
         verdict += ", and with only the fixes each needs"
     skipped = sum("not_applicable" in row for row in rows)
@@ -99,11 +124,12 @@ def _print(rows, info, torch_version, device, total, code) -> None:
 
 
 def _exact(row) -> bool:
-    """Counted in the verdict: exact with the fixes on (and with only its own fixes, where run), and
-    the run that never resumes unchanged by them."""
+    """Counted in the verdict: exact with the fixes on (and with only its own fixes, where run), or
+    for a configuration held to the release's own resume, that resume bit for bit (or its error);
+    and the run that never resumes unchanged by them."""
     unchanged = row.get("on", {}).get("unchanged", {"verdict": "exact"})
     return unchanged["verdict"] == "exact" and all(
-        row[mode]["verdict"] == "exact" for mode in ("on", "only") if mode in row
+        row[mode]["verdict"] in ("exact", "as-release") for mode in ("on", "only") if mode in row
     )
 
 
@@ -168,7 +194,8 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: boo
         progress(f"selftest --resume: what the ranks and Megatron printed is in {log_path}", "\n")
     for row in rows:
         for mode in ("on", "off", "only"):
-            for r in row.get(mode, {}).get("ranks", []):
+            out = row.get(mode, {})
+            for r in [r for part in [out, *out.get("ways", [])] for r in part.get("ranks", [])]:
                 r.pop("differ_all", None)
                 r.pop("compared_all", None)
     if as_json:

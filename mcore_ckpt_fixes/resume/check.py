@@ -8,7 +8,11 @@ Compared per rank, bit for bit (:mod:`.compare`): C with A (the resume is exact)
 fixes on with A over every step (``unchanged``: a run that never resumes is the same with the import
 as without it, its saves included). B and C run twice: with the fixes at their defaults and with
 every fix off, so that the report says what the fixes change on this release; on request a third
-time with only the fixes the configuration declares it needs (``only``).
+time with only the fixes the configuration declares it needs (``only``). A configuration of options
+whose resume is not meant to be exact (``Config.expect`` :data:`AS_RELEASE`) holds C with the fixes
+to C without them instead (the same bits, or the same error). Where a configuration lists several
+ways of resuming (``Config.resume_args``), run C resumes each of them in one world and each gets its
+own verdict.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def mode_env(cfg, mode) -> dict:
 
 
 STEPS, RESUME_AT = 4, 2
+# Config.expect of options whose resume is not meant to equal the uninterrupted run: with the
+# fixes, run C is held to run C without them (the release's own resume), not to run A.
+AS_RELEASE = "as-release"
 
 
 def prepare() -> None:
@@ -83,21 +90,114 @@ def _verdict(uninterrupted, values) -> dict:
     return {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks}
 
 
+def _ways(values):
+    """Run C's results per way of resuming (``cfg.resume_args``), each a list over the ranks."""
+    return [list(way) for way in zip(*(v["ways"] for v in values))]
+
+
+def _failed(ranks):
+    """A way that raised: what a failed world reports (the first failing rank's last line), and
+    every failing rank's line (two failures are the same only if these are)."""
+    failed = [r for r in ranks if "error" in r]
+    if not failed:
+        return None
+    first = failed[0]
+    return {
+        "verdict": "error",
+        "error": f"resume run: rank {first['coords']['rank']}: {first['error']}",
+        "detail": first["detail"],
+        "errors": [[r["coords"]["rank"], r["error"]] for r in failed],
+    }
+
+
+def _overall(ways) -> str:
+    verdicts = {w["verdict"] for w in ways}
+    for verdict in ("differs", "inexact", "error", "as-release"):
+        if verdict in verdicts:
+            return verdict
+    return "exact"
+
+
+def _judged(cfg, uninterrupted, values) -> dict:
+    """Run C against the release's own run A: one verdict, or one per way of resuming."""
+    if not cfg.resume_args:
+        return _verdict(uninterrupted, values)
+    ways = []
+    for args, ranks in zip(cfg.resume_args, _ways(values)):
+        ways.append({"args": list(args), **(_failed(ranks) or _verdict(uninterrupted, ranks))})
+    return {"verdict": _overall(ways), "ways": ways}
+
+
+def _ckpt_prefix(cfg, mode) -> str:
+    return f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-"
+
+
 def _mode(cfg, mode, uninterrupted, device, timeout):
     """B then C with this mode's flags, C compared with A; with the fixes on also B with A
-    (``unchanged``)."""
-    ckpt_dir = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-")
+    (``unchanged``). Returns that and C's values (None where a world failed)."""
+    ckpt_dir = tempfile.mkdtemp(prefix=_ckpt_prefix(cfg, mode))
     out = {}
     try:
         for phase in ("save", "resume"):
             values, error, detail = _world(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
             if error:
-                return {"verdict": "error", "error": error, "detail": detail, **out}
+                return {"verdict": "error", "error": error, "detail": detail, **out}, None
             if phase == "save" and mode == "on":
                 out["unchanged"] = _verdict(uninterrupted, values)
-        return {**_verdict(uninterrupted, values), **out}
+        return {**_judged(cfg, uninterrupted, values), **out}, values
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def _same_error(cfg, fixed, release) -> bool:
+    """Two errors the same, but for the checkpoint directory each mode saved to."""
+    import re
+
+    def unplaced(text):
+        for mode in ("on", "off"):
+            text = re.sub(re.escape(_ckpt_prefix(cfg, mode)) + r"\w+", "<checkpoint>", text)
+        return text
+
+    return unplaced(repr(fixed)) == unplaced(repr(release))
+
+
+def _same_as_release(cfg, fixed_ranks, release_ranks) -> dict:
+    """One resume with the fixes against the same resume without them, rank by rank: the same
+    bits (every loss, parameter, optimizer tensor and scalar, RNG stream, and the iteration
+    ``load_checkpoint`` returned), or the same error on the same ranks."""
+    from .compare import release_rank_verdict
+
+    fixed_error, release_error = _failed(fixed_ranks), _failed(release_ranks)
+    if fixed_error or release_error:
+        same = bool(fixed_error and release_error) and _same_error(cfg, fixed_error["errors"], release_error["errors"])
+        if fixed_error:
+            shown = {k: v for k, v in fixed_error.items() if k != "verdict"}
+        else:
+            shown = {"error": f"resumed, where the release failed ({release_error['error']})"}
+        return {**shown, "verdict": "as-release" if same else "differs", "same": "error" if same else None}
+    ranks = [release_rank_verdict(r, f) for r, f in zip(release_ranks, fixed_ranks)]
+    same = all(r["exact"] for r in ranks)
+    return {"verdict": "as-release" if same else "differs", "same": "bits" if same else None, "ranks": ranks}
+
+
+def _against_release(cfg, on, on_values, off, off_values) -> dict:
+    """An ``as-release`` configuration's verdict with the fixes: run C with them against run C
+    without them (what the release's own resume gives), per way of resuming; a world that failed
+    in both modes with the same error is the release's own failure."""
+    kept = {"unchanged": on["unchanged"]} if "unchanged" in on else {}
+    if on_values is None or off_values is None:
+        both = on_values is None and off_values is None and _same_error(cfg, on["error"], off["error"])
+        shown = {k: on[k] for k in ("error", "detail") if k in on} or {
+            "error": f"ran, where the release failed ({off['error']})"
+        }
+        return {**shown, "verdict": "as-release" if both else "differs", "same": "error" if both else None, **kept}
+    if not cfg.resume_args:
+        return {**_same_as_release(cfg, on_values, off_values), **kept}
+    ways = [
+        {"args": list(args), **_same_as_release(cfg, fixed, release)}
+        for args, fixed, release in zip(cfg.resume_args, _ways(on_values), _ways(off_values))
+    ]
+    return {"verdict": _overall(ways), "ways": ways, **kept}
 
 
 def needed_here(cfg) -> list:
@@ -131,11 +231,15 @@ def missing_requirement(cfg) -> str:
 
 
 def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
-    """One configuration's report: per mode its verdict and, per rank, what differs. Modes: ``on``
-    (every fix at its default; its ``unchanged`` entry: run B, which never resumes, against the
-    release's own run A), ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs`` on; the
-    run C must be exact with them alone, so the fixes it needs are all it declares)."""
+    """One configuration's report: per mode its verdict and, per rank, what differs (per way of
+    resuming, ``ways``, where the configuration lists several). Modes: ``on`` (every fix at its
+    default; its ``unchanged`` entry: run B, which never resumes, against the release's own run A),
+    ``off`` (every fix off), ``only`` (:data:`ONLY`: only ``cfg.needs`` on; the run C must be exact
+    with them alone, so the fixes it needs are all it declares). For an :data:`AS_RELEASE`
+    configuration ``on`` is run C with the fixes against run C without them: ``as-release`` or
+    ``differs``; ``off`` stays the release's own resume against A."""
     out = {"config": cfg.name, "summary": cfg.summary, "world": cfg.world, "needs": list(cfg.needs)}
+    out["expect"] = cfg.expect
     why = missing_requirement(cfg)
     if why:  # never a pass: the row says why it did not run
         out["not_applicable"] = why
@@ -146,8 +250,13 @@ def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
         return out
+    values = {}
     for mode in modes:
-        out[mode] = _mode(cfg, mode, uninterrupted, device, timeout)
+        out[mode], values[mode] = _mode(cfg, mode, uninterrupted, device, timeout)
+    if cfg.expect == AS_RELEASE:
+        if "off" not in modes:
+            raise ValueError(f"{cfg.name} is held to the release's own resume: it needs the mode 'off'")
+        out["on"] = _against_release(cfg, out["on"], values["on"], out["off"], values["off"])
     return out
 
 

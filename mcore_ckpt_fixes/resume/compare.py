@@ -66,4 +66,18 @@ def rank_verdict(uninterrupted: dict, resumed: dict) -> dict:
         "n_compared": len(resumed["state"]) + len(steps),
         "compared_all": sorted(resumed["state"]),
         "load_warnings": list(resumed.get("load_warnings", [])),
+        "iteration": resumed.get("iteration"),  # what load_checkpoint returned (run C only)
     }
+
+
+def release_rank_verdict(release: dict, fixed: dict) -> dict:
+    """One rank of a resume whose result is not meant to equal the uninterrupted run (the optimizer
+    or RNG not loaded, ``--finetune``), with the fixes (``fixed``) against the release's own resume
+    (``release``, the same run without them): ``exact`` means the same bits, every resumed loss and
+    state entry as :func:`rank_verdict` compares them, and the iteration ``load_checkpoint``
+    returned (``load:iteration`` among the names that differ otherwise)."""
+    verdict = rank_verdict(release, fixed)
+    if not same(release.get("iteration"), fixed.get("iteration")):
+        names = sorted(verdict["differ_all"] + ["load:iteration"])
+        verdict.update(exact=False, n_differ=len(names), differ=names[:SHOWN], differ_all=names)
+    return verdict

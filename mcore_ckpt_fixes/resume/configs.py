@@ -4,7 +4,9 @@ Each is a small GPT trained through Megatron's own model, DDP, distributed optim
 ``megatron.training.checkpointing`` (:mod:`mcore_ckpt_fixes.testing.gpt_job`), unless ``job`` names another (the MIMO model's,
 Megatron-Bridge's, verl's and ms-swift's save and load). ``needs`` names the fixes without which the
 configuration cannot resume exactly on a release those fixes apply to: the check asserts that the
-fixes-off run diverges exactly there, and only there.
+fixes-off run diverges exactly there, and only there. ``expect="as-release"`` holds the resumed run
+with the fixes to the release's own resumed run instead of the uninterrupted one (options whose
+resume is not meant to be exact); ``resume_args`` lists several ways run C resumes in one world.
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ from typing import Tuple
 from ..fixes.mimo_optimizer.checks.scenarios import MIMO_SAVE_SIDE
 from ..testing.job_config import Config
 
+# The --dist-ckpt-strictness values with which dist_checkpointing.load returns the loaded state
+# dict; return_unexpected and return_all return it with the mismatching keys, which
+# megatron.training's load_checkpoint does not take apart (configuration dense-dp2-resume-options).
+STRICTNESS_LOADING = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "raise_unexpected",
+    "log_all",
+    "raise_all",
+    "ignore_all",
+)
 
 CONFIGS = (
     Config("dense-tp2", "dense GPT, TP=2, distributed optimizer (dp_reshardable)", world=2, tp=2),
@@ -145,6 +158,42 @@ CONFIGS = (
         extra_args=("--ckpt-assume-constant-structure",),
     ),
     Config(
+        "dense-dp2-strictness-values",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --rerun-mode validate_results; resumed once "
+        "per --dist-ckpt-strictness value that hands load_checkpoint the loaded state (six, in one world)",
+        world=2,
+        rerun_mode="validate_results",
+        resume_args=tuple(("--dist-ckpt-strictness", value) for value in STRICTNESS_LOADING),
+        # raise_all only: 0.18+ writes the machine's idle entry, which load_checkpoint does not ask for.
+        needs=("rerun-state-strict-load",),
+        needs_releases=">=0.18",
+    ),
+    Config(
+        "dense-dp2-save-options",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable), --rerun-mode disabled (set up as "
+        "initialize_megatron does), --dist-ckpt-save-pre-mcore-014 and --async-save without a persistent "
+        "worker (which megatron.training turns off, saying so)",
+        world=2,
+        rerun_mode="disabled",
+        extra_args=("--dist-ckpt-save-pre-mcore-014", "--async-save"),
+    ),
+    Config(
+        "dense-dp2-resume-options",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed once per option whose resume is "
+        "not meant to equal the uninterrupted run (in one world), each held to the release's own resume",
+        world=2,
+        expect="as-release",
+        resume_args=(
+            ("--no-load-optim",),
+            ("--no-load-rng",),
+            ("--finetune",),
+            ("--use-checkpoint-opt-param-scheduler",),
+            ("--use-checkpoint-opt-param-scheduler", "--lr", "0.02", "--min-lr", "0.002"),
+            ("--dist-ckpt-strictness", "return_unexpected"),
+            ("--dist-ckpt-strictness", "return_all"),
+        ),
+    ),
+    Config(
         "moe-ep2-bridge",
         "MoE GPT, EP=2, distributed optimizer (dp_reshardable), saved and loaded with Megatron-Bridge's "
         "save_checkpoint / load_checkpoint",
@@ -187,6 +236,12 @@ NOT_RUN = {
     "fully_reshardable only, and from 0.16.0 no release can describe fully_sharded_model_space "
     "(ShardedTensor.flattened_range is rejected); a call without metadata, which asks for it, gets "
     "dp_reshardable with dist-optim-state (configuration dense-dp2-bare-requests)",
+    "--async-save with --use-persistent-ckpt-worker": "megatron.training (0.17.1, 0.18.2, 0.19.2) saves "
+    "asynchronously only with a persistent worker (without one it turns --async-save off: configuration "
+    "dense-dp2-save-options). Its default writer (--async-strategy nvrx) needs nvidia-resiliency-ext, which is not "
+    "installed here; Megatron-Core's own (--async-strategy mcore) starts the worker in a new process (forkserver) "
+    "whose first call is torch.cuda.set_device(rank % torch.cuda.device_count()): on a CPU host it dies with "
+    "ZeroDivisionError and the save never completes",
     "fsdp_dtensor": "Megatron-FSDP allocates its parameter and gradient buffers on a CUDA device; on a CPU "
     "host the model cannot be wrapped, and its optimizer format (distrib_optim_sharding_type fsdp_dtensor) "
     "needs it. Without it nothing deeper resumes: save_checkpoint's fsdp_dtensor branch with a plain DDP "

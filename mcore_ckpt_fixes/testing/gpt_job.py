@@ -52,7 +52,7 @@ def training_checkpointing():
     return checkpointing
 
 
-def _argv(cfg, ckpt_dir, steps):
+def _argv(cfg, ckpt_dir, steps, resume_args=()):
     argv = [
         "mcore-ckpt-fixes-resume",
         "--num-layers",
@@ -122,7 +122,7 @@ def _argv(cfg, ckpt_dir, steps):
         argv.append("--dist-ckpt-optim-fully-reshardable")
     if cfg.decoupled_lr is not None:
         argv += ["--decoupled-lr", str(cfg.decoupled_lr)]
-    return argv + list(cfg.extra_args)
+    return argv + list(cfg.extra_args) + list(resume_args)
 
 
 def _moe_argv(cfg):
@@ -146,10 +146,10 @@ def _moe_argv(cfg):
     return argv
 
 
-def _args(cfg, ckpt_dir, steps):
+def _args(cfg, ckpt_dir, steps, resume_args=()):
     from megatron.training import arguments, global_vars
 
-    saved_argv, sys.argv = sys.argv, _argv(cfg, ckpt_dir, steps)
+    saved_argv, sys.argv = sys.argv, _argv(cfg, ckpt_dir, steps, resume_args)
     saved_arch = getattr(arguments, "get_device_arch_version", None)
     if saved_arch is not None and not torch.cuda.is_available():
         # validate_args asks the GPU's architecture under TP > 1 (for CUDA_DEVICE_MAX_CONNECTIONS);
@@ -349,9 +349,20 @@ def _train(model, optimizer, scheduler, args, cpu_gen, first, last):
     return {step: train_step(model, optimizer, scheduler, args, cpu_gen) for step in range(first, last + 1)}
 
 
+def _start(cfg, args):
+    """What ``initialize_megatron`` and ``setup_model_and_optimizer`` do for this job once the
+    parallel state is up: the rerun state machine, the seeds, then the model, optimizer and
+    scheduler. (``--async-save`` without a persistent worker ``validate_args`` turns off; with one,
+    the worker needs a GPU or nvidia-resiliency-ext, and the job does not start it.)"""
+    if cfg.rerun_mode:
+        _rerun_machine(args)
+    _seed(args)
+    return _build(args, cfg)
+
+
 def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     from megatron.core import parallel_state as mpu
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.training.checkpointing import save_checkpoint
 
     args = _args(cfg, ckpt_dir, steps)
     mpu.initialize_model_parallel(
@@ -359,31 +370,65 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         expert_model_parallel_size=cfg.ep or 1,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
-    if cfg.rerun_mode:
-        _rerun_machine(args)
-    _seed(args)
-    model, optimizer, scheduler = _build(args, cfg)
+    if phase == "resume":
+        if cfg.resume_args:
+            return _resume_each_way(cfg, ckpt_dir, steps, resume_at, cpu_gen)
+        return _resume(cfg, args, steps, resume_at, cpu_gen)
+    model, optimizer, scheduler = _start(cfg, args)
     out = {"coords": _coords(), "losses": {}}
     if phase == "uninterrupted":
         out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
-    elif phase == "save":
+    else:
         out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
         save_checkpoint(resume_at, [model], optimizer, scheduler, 0)
         dist.barrier()
         # A training run goes on after its save: with the fixes on this is the run that never
         # resumes, compared bit for bit with the release's own uninterrupted run (check.py).
         out["losses"].update(_train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))
-    else:
-        # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
-        # the check across releases reports what each load said.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            iteration, _ = _load(load_checkpoint, model, optimizer, scheduler)
-        out["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
-        assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
-        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
     return out
+
+
+def _resume(cfg, args, steps, resume_at, cpu_gen):
+    """Run C: a newly built job loads the checkpoint and trains the remaining steps."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    model, optimizer, scheduler = _start(cfg, args)
+    out = {"coords": _coords()}
+    # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
+    # the check across releases reports what each load said.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iteration, _ = _load(load_checkpoint, model, optimizer, scheduler)
+    out["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    out["iteration"] = iteration  # --finetune resumes at 0 (as-release configurations compare it)
+    if cfg.expect == "exact":
+        assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
+    out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+    out["state"] = snapshot(model, optimizer, scheduler)
+    return out
+
+
+def _resume_each_way(cfg, ckpt_dir, steps, resume_at, cpu_gen):
+    """Run C once per ``cfg.resume_args``: each way builds the job anew as a new process would
+    (Megatron's arguments parsed again with its options, the rerun state machine and seeds set up
+    again, a new model, optimizer and scheduler), loads and trains on. A way that raises is recorded
+    as its error (its last line, as a failed world reports it) and the next one runs."""
+    import traceback
+
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron.training import global_vars
+
+    ways = []
+    for extra in cfg.resume_args:
+        global_vars.unset_global_variables()
+        destroy_rerun_state_machine()
+        try:
+            ways.append(_resume(cfg, _args(cfg, ckpt_dir, steps, extra), steps, resume_at, cpu_gen))
+        except Exception as exc:
+            last = " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())  # one line
+            ways.append({"coords": _coords(), "error": last, "detail": traceback.format_exc()})
+    return {"ways": ways}
 
 
 def _load(load_checkpoint, model, optimizer, scheduler):

@@ -37,12 +37,26 @@ class Config:
     rerun_mode: str = ""
     # More of Megatron-LM's checkpoint options, as given on its command line (save and resume alike).
     extra_args: Tuple[str, ...] = ()
+    # Options given to the resumed run only, one tuple per way of resuming: run C loads the one
+    # checkpoint once per tuple, each time into a newly built and seeded job (arguments parsed
+    # again, new model, optimizer, scheduler and rerun state machine) in the same processes. Empty:
+    # run C resumes once with the configuration's own arguments.
+    resume_args: Tuple[Tuple[str, ...], ...] = ()
+    # What run C is held to. "exact": with the fixes it continues bit for bit as the release's own
+    # uninterrupted run. "as-release", for options whose resume is not meant to equal the
+    # uninterrupted run (the optimizer or RNG not loaded, --finetune): with the fixes it is the
+    # release's own resume (run C without them) bit for bit on every rank, or fails as it does.
+    expect: str = "exact"
     needs: Tuple[str, ...] = ()
     # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
     # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
     needs_releases: str = ""
     job: str = "mcore_ckpt_fixes.testing.gpt_job:run"  # one rank of one run
     requires: str = ""  # a module the release must have, else the configuration is not applicable
+
+    def __post_init__(self):
+        if self.expect not in ("exact", "as-release"):
+            raise ValueError(f"{self.name}: expect is 'exact' or 'as-release', not {self.expect!r}")
 
     @property
     def dp(self) -> int:
