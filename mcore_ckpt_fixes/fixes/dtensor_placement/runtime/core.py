@@ -10,7 +10,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, below, has_layer, is_replacement, mark, original
-from ....engine.probing import Group
+from ....engine.probing import Group, in_scope, module_scope
 from .. import EXPERTS, ID, UTILS
 from . import shard
 
@@ -249,28 +249,15 @@ class _ParallelState:
         raise AttributeError(name)
 
 
-class _parallel_state_as:
-    """``with _parallel_state_as(module, stand_in):`` the module's ``parallel_state`` global is the
-    stand-in for the duration (the release's functions look it up at call time)."""
-
-    def __init__(self, module, stand_in):
-        self.module, self.stand_in = module, stand_in
-
-    def __enter__(self):
-        self.saved = self.module.__dict__.get("parallel_state")
-        self.module.parallel_state = self.stand_in
-
-    def __exit__(self, *exc):
-        self.module.parallel_state = self.saved
-
-
 def _call_helper(module, fn, tensor, tp=(0, 1), dp=(3, 4)):
     """``fn(tensor, "probe")`` with this rank at ``tp`` / ``dp`` (rank, size), however the release's
     helpers find their groups: as arguments (0.16+) or from parallel_state (0.12-0.15)."""
-    if takes_groups(original(module, fn.__name__) if is_replacement(fn) else fn):
+    release = original(module, fn.__name__) if is_replacement(fn) else fn
+    if takes_groups(release):
         return fn(tensor, "probe", tp_group=Group(rank=tp[0], size=tp[1]), dp_cp_group=Group(rank=dp[0], size=dp[1]))
-    with _parallel_state_as(module, _ParallelState(tp=tp, dp=dp)):
-        return fn(tensor, "probe")
+    # The release's helper reading a stand-in parallel_state from a copy of the module's globals
+    # (the live module is left as it is).
+    return in_scope(release, module_scope(module, parallel_state=_ParallelState(tp=tp, dp=dp)))(tensor, "probe")
 
 
 def probe_dtensor(tag=True):
@@ -349,10 +336,13 @@ def probe_sequential_mlp(module: types.ModuleType):
     # 0.13-0.15 wrap it in expert_dist_ckpt_decorator, which swaps parallel_state's TP group for the
     # expert one (an initialised world only): call what it wraps. 0.12 reads the expert ranks from
     # parallel_state; later releases from the module's groups.
-    fn = module.SequentialMLP.sharded_state_dict
+    fn = module.SequentialMLP.__dict__["sharded_state_dict"]
+    if is_replacement(fn):
+        fn = original(module.SequentialMLP, "sharded_state_dict")  # re-probed after apply: judge the release's
     fn = getattr(fn, "__wrapped__", fn)
-    with _parallel_state_as(module, _ParallelState(ep=(0, 1), edp=(1, 2))):
-        out = fn(stub, "", (), {"dp_cp_group": Group(rank=1, size=2)})
+    # In a copy of the module's globals with a stand-in parallel_state: the live module is left as it is.
+    fn = in_scope(fn, module_scope(module, parallel_state=_ParallelState(ep=(0, 1), edp=(1, 2))))
+    out = fn(stub, "", (), {"dp_cp_group": Group(rank=1, size=2)})
     (sh,) = out.values()
     if sh.replica_id[-1] == 0:
         return False, "SequentialMLP keeps the DP replica index of DTensor-described expert shards"

@@ -8,9 +8,11 @@ target module is.
 
 from __future__ import annotations
 
+import sys
 import types
 
 from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.probing import in_scope, module_scope, module_scopes
 from .. import ID, MODULE, NAMES, TRAINING, UNEVEN
 from . import keys, old_layouts
 
@@ -103,7 +105,7 @@ _PROBE_PREFIX = "decoder.layers.0.mlp.experts."
 
 
 def _probe_parallel_state(real, ep_size, ep_rank):
-    """Stands in for ``parallel_state`` in the module's namespace during the probe only."""
+    """Stands in for ``parallel_state`` in a copy of the module's globals, for the probe only."""
     ns = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
     ns.get_expert_model_parallel_world_size = lambda: ep_size
     ns.get_expert_model_parallel_rank = lambda: ep_rank
@@ -111,17 +113,16 @@ def _probe_parallel_state(real, ep_size, ep_rank):
 
 
 def _call_with_ep(module, fns, name, ep_size, ep_rank, *args):
-    """Call the release's ``name`` with the release's own helpers in place (after apply the module's
-    globals are ours) and a fake EP layout, in the module's namespace for the duration only."""
-    saved = {n: module.__dict__[n] for n in (*NAMES, "parallel_state") if n in module.__dict__}
+    """Call the release's ``name`` with the release's own helpers (after apply the module's globals
+    are ours) and a fake EP layout, all in a copy of the module's globals (the live module is left
+    as it is)."""
+    scope = module_scope(
+        module, parallel_state=_probe_parallel_state(module.__dict__["parallel_state"], ep_size, ep_rank)
+    )
     for n, fn in fns.items():
         if fn is not None:
-            module.__dict__[n] = fn
-    module.parallel_state = _probe_parallel_state(saved["parallel_state"], ep_size, ep_rank)
-    try:
-        return fns[name](*args)
-    finally:
-        module.__dict__.update(saved)
+            scope[n] = in_scope(fn, scope)
+    return scope[name](*args)
 
 
 def probe(module: types.ModuleType):
@@ -212,7 +213,7 @@ def probe_training(module: types.ModuleType):
     ``megatron.bridge.training.checkpointing``) calls give a single grouped expert tensor of EP rank
     1 of 2 the global shape of all experts? Run with an EP stand-in in ``fsdp_dtensor_checkpoint``'s
     namespace and Megatron-FSDP's chunk computation (a collective) replaced by the local chunk, both
-    for the duration of the call only."""
+    in copies of the modules' globals only."""
     import importlib
 
     name = "preprocess_state_dict_for_uneven_dtensor"
@@ -236,14 +237,18 @@ def probe_training(module: types.ModuleType):
         dtensor._local_tensor.__create_chunk_list__ = lambda: [chunk]
 
     key = f"{_PROBE_PREFIX}linear_fc1.weight"
-    saved = (ckpt.__dict__["parallel_state"], uneven.__dict__["update_uneven_dtensor_chunk_metadata"])
-    ckpt.parallel_state = _probe_parallel_state(saved[0], 2, 1)
-    uneven.update_uneven_dtensor_chunk_metadata = local_chunk
-    try:
-        state = {"model": {key: grouped}}
-        fn(state)
-    finally:
-        ckpt.parallel_state, uneven.update_uneven_dtensor_chunk_metadata = saved
+    # The preprocessing and what it calls, in linked copies of the modules' globals: the live
+    # modules are left as they are.
+    overrides = {
+        ckpt: {"parallel_state": _probe_parallel_state(ckpt.__dict__["parallel_state"], 2, 1)},
+        uneven: {"update_uneven_dtensor_chunk_metadata": local_chunk},
+    }
+    home = sys.modules.get(fn.__module__)
+    if home is not None:
+        overrides.setdefault(home, {})
+    scopes = module_scopes(overrides)
+    state = {"model": {key: grouped}}
+    in_scope(fn, scopes[home] if home is not None else dict(fn.__globals__))(state)
     got = tuple(state["model"][key].shape)
     if got == (4, 2):
         return False, "a single grouped expert tensor is saved as its EP block of the global tensor"

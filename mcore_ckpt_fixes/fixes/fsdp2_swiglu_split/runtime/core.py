@@ -13,7 +13,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, below, mark, original
-from ....engine.probing import Group
+from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 
 # The names the replacement uses, as megatron/core/transformer/mlp.py binds them (set at apply).
@@ -222,32 +222,25 @@ def _probe_layer(module):
     return layer
 
 
-class _stand_in_groups_read:
-    """``with _stand_in_groups_read(module):`` the module's ``get_pg_rank`` / ``get_pg_size`` (0.19's
-    factory reads the DP group's size with them) read a stand-in group's ``rank()`` / ``size()``:
-    Megatron's answer 1 for every group outside an initialised world would hide its DP-shard branch."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __enter__(self):
-        self.saved = {n: self.module.__dict__[n] for n in ("get_pg_rank", "get_pg_size") if n in self.module.__dict__}
-        if "get_pg_rank" in self.saved:
-            self.module.get_pg_rank = lambda group=None: 0 if group is None else group.rank()
-        if "get_pg_size" in self.saved:
-            self.module.get_pg_size = lambda group=None: 1 if group is None else group.size()
-
-    def __exit__(self, *exc):
-        self.module.__dict__.update(self.saved)
+def _groups_read_from_stand_ins(module):
+    """The module's ``get_pg_rank`` / ``get_pg_size`` (0.19's factory reads the DP group's size with
+    them) reading a stand-in group's ``rank()`` / ``size()``: Megatron's answer 1 for every group
+    outside an initialised world would hide its DP-shard branch."""
+    names = {
+        "get_pg_rank": lambda group=None: 0 if group is None else group.rank(),
+        "get_pg_size": lambda group=None: 1 if group is None else group.size(),
+    }
+    return {n: f for n, f in names.items() if n in module.__dict__}
 
 
-def global_rows_written(module, method=None):
-    """The global [W; V] row each local row of the probe's shard is written to (right: [2, 3])."""
+def global_rows_written(module):
+    """The global [W; V] row each local row of the probe's shard is written to (right: [2, 3]); the
+    release's method and factory run in a copy of the module's globals (the live module is left as
+    it is)."""
     layer = _probe_layer(module)
-    method = method or _release_method(module.MLP)
-    with _stand_in_groups_read(module):
-        factory = method(layer, "", (), {"dp_cp_group": Group(rank=1, size=2)})["linear_fc1.weight"]
-        built = factory.build_fn(factory.key, factory.data, factory.replica_id, factory.flattened_range)
+    method = in_scope(_release_method(module.MLP), module_scope(module, **_groups_read_from_stand_ins(module)))
+    factory = method(layer, "", (), {"dp_cp_group": Group(rank=1, size=2)})["linear_fc1.weight"]
+    built = factory.build_fn(factory.key, factory.data, factory.replica_id, factory.flattened_range)
     return [int(sh.global_offset[0]) + i for sh in built for i in range(sh.local_shape[0])]
 
 

@@ -6,9 +6,11 @@ fix's) in the target module and every module that imported the function by name.
 
 from __future__ import annotations
 
+import sys
 import types
 
 from ....engine.patching import Patcher, is_replacement, mark, original
+from ....engine.probing import in_scope, module_scope
 from .. import ID, MODULE, NAME
 from . import split
 
@@ -99,7 +101,7 @@ def _probe_model(torch, mesh):
 
 def _run_on_stand_ins(module, fn, model, data, fake):
     """Call ``fn`` on ``data`` (the TP-local in_proj) with the module's DTensor and Megatron-FSDP
-    helpers swapped for stand-ins, restored afterwards; which helper got which local tensor."""
+    helpers as stand-ins; which helper got which local tensor."""
     seen = {}
 
     def record(name):
@@ -109,21 +111,15 @@ def _run_on_stand_ins(module, fn, model, data, fake):
 
         return recorder
 
-    names = ("DTensor", "make_fsdp_dtensor", "split_dtensor")
-    saved = {n: module.__dict__[n] for n in names if n in module.__dict__}
-    module.DTensor = fake
-    module.make_fsdp_dtensor = record("make_fsdp_dtensor")
-    module.split_dtensor = record("split_dtensor")
+    # In a copy of the module's globals: the live module is left as it is.
+    home = sys.modules.get(fn.__module__, module)  # where fn reads its globals
+    scope = module_scope(
+        home, DTensor=fake, make_fsdp_dtensor=record("make_fsdp_dtensor"), split_dtensor=record("split_dtensor")
+    )
     try:
-        fn(model, {"gdn.in_proj.weight": data}, None)
+        in_scope(fn, scope)(model, {"gdn.in_proj.weight": data}, None)
     except _ProbeDone:
         pass
-    finally:
-        for n in names:
-            if n in saved:
-                setattr(module, n, saved[n])
-            else:
-                delattr(module, n)
     return seen
 
 

@@ -9,7 +9,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, below, is_replacement, mark, original
-from ....engine.probing import Group
+from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 
 CLASS = "FullyShardedDataParallel"
@@ -59,7 +59,8 @@ def hsdp_ep_behaviour(module):
     e.g. patches/hsdp-ep-guard/), or None when the adapter has no such method.
 
     Runs it with stand-ins for the process groups, the mesh helpers, ``DeviceMesh`` and
-    ``FSDPDistributedIndex`` in the module's namespace (for the duration only): nothing is built.
+    ``FSDPDistributedIndex`` in a copy of the module's globals (the live module is left as it is):
+    nothing is built.
     """
     cls = module.__dict__.get(CLASS)
     fn = getattr(cls, "__dict__", {}).get("_init_dist_index")
@@ -90,26 +91,19 @@ def hsdp_ep_behaviour(module):
         "_get_hsdp_tp_mesh": lambda *a, **k: np.zeros((2, 1, 1), dtype=int),
         "_get_dp_tp_mesh": lambda *a, **k: np.zeros((1, 1), dtype=int),
     }
-    saved = {n: module.__dict__[n] for n in fake if n in module.__dict__}
-    module.__dict__.update(fake)
+    run = in_scope(fn, module_scope(module, **fake))  # a copy of the module's globals: the live one is left as it is
     wrapper = types.SimpleNamespace(
         ddp_config=types.SimpleNamespace(num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="no_shard"),
         num_moe_experts=4,
     )
     try:
-        fn(wrapper, pgs)
+        run(wrapper, pgs)
     except _ProbeDone:
         pass
     except ValueError as exc:
         if "expert_model_parallel_size" in str(exc) and "num_distributed_optimizer_instances" in str(exc):
             return "refused"
         raise
-    finally:
-        for n in fake:
-            if n in saved:
-                module.__dict__[n] = saved[n]
-            else:
-                module.__dict__.pop(n, None)
     if not seen:
         raise RuntimeError("_init_dist_index returned without building an FSDPDistributedIndex")
     return "expert-mesh" if seen.get("expt_device_mesh") is not None else "dense-mesh"

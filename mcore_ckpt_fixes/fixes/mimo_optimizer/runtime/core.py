@@ -16,8 +16,8 @@ import types
 import warnings
 
 from ....engine.errors import MegatronPatchWarning
-from ....engine.patching import Patcher, below, mark
-from ....engine.probing import Group
+from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import Group, in_scope, module_scopes
 from .. import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
@@ -306,9 +306,9 @@ class _RecordingLoad:
         return {}
 
 
-# The probe's checkpoint: a directory name that is never opened. While the probe's load runs, the
-# functions it would read the directory with answer for that name from memory (and pass any other
-# directory to Megatron's own: a load running beside the probe is untouched).
+# The probe's checkpoint: a directory name that is never opened. The probe's copy of the load reads
+# it with stand-ins that answer for that name from memory (and pass any other directory to
+# Megatron's own).
 _PROBE_DIR = os.path.join(os.sep, "nonexistent", "mcore-ckpt-fixes-probe")
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies.torch"
 
@@ -372,16 +372,17 @@ def _load_reads_old_layout():
     }
     recorder = _RecordingLoad()
     stand_ins = _probe_checkpoint({old.unique_key, current.unique_key})
-    saved = [(m, n, m.__dict__[n]) for m, n, _ in stand_ins]
+    # The release's load in linked copies of the modules' globals with the stand-ins: the live
+    # modules are left as they are.
+    overrides = {serialization: {}}
     for m, n, stand_in in stand_ins:
-        setattr(m, n, stand_in)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fixed load warns about the old layout: expected
-            load(request, _PROBE_DIR, sharded_strategy=recorder, validate_access_integrity=False)
-    finally:
-        for m, n, real in saved:
-            setattr(m, n, real)
+        overrides.setdefault(m, {})[n] = stand_in
+    release_load = original(serialization, "load")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fixed load warns about the old layout: expected
+        in_scope(release_load, module_scopes(overrides)[serialization])(
+            request, _PROBE_DIR, sharded_strategy=recorder, validate_access_integrity=False
+        )
     verdict = _READS_OLD[load] = sorted(recorder.keys) == sorted([old.key, current.key])
     return verdict
 

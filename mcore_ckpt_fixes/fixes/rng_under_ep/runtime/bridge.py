@@ -33,8 +33,8 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark
-from ....engine.probing import Group
+from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import Group, in_scope, module_scope
 from .. import ID
 from .fsdp_dtensor import _own_key, drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .core import _bind, _Delegate
@@ -138,11 +138,9 @@ def _probe_once(module, dp_rank, ckpt_format):
         expt_tp=Group(),
         expt_dp=Group(),
     )
-    module.__dict__.update(stand_ins)
-    try:
-        return module.get_rng_state(False, ckpt_format, pg_collection=pgs)
-    finally:
-        module.__dict__.update(saved)
+    # In a copy of the module's globals with the stand-ins: the live module is left as it is.
+    scope = module_scope(module, **stand_ins)
+    return in_scope(original(module, "get_rng_state"), scope)(False, ckpt_format, pg_collection=pgs)
 
 
 def probe(module: types.ModuleType):

@@ -12,8 +12,8 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark
-from ....engine.probing import Group
+from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -249,11 +249,9 @@ def _probe_once(module, dp_rank):
     missing = sorted(set(stand_ins) - set(saved))
     if missing:
         raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
-    module.__dict__.update(stand_ins)
-    try:
-        return module.get_rng_state("torch_dist", Group(), Group())
-    finally:
-        module.__dict__.update(saved)
+    # In a copy of the module's globals with the stand-ins: the live module is left as it is.
+    scope = module_scope(module, **stand_ins)
+    return in_scope(original(module, "get_rng_state"), scope)("torch_dist", Group(), Group())
 
 
 def probe(module: types.ModuleType):

@@ -38,6 +38,7 @@ import warnings
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
 from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import in_scope, module_scope
 from .. import ID
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -190,11 +191,9 @@ def _probe_once(module, dp_rank):
     missing = sorted(set(stand_ins) - set(saved))
     if missing:
         raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
-    module.__dict__.update(stand_ins)
-    try:
-        return original(module, "_get_rng_state")(fsdp_dtensor=False, data_parallel_random_init=False)
-    finally:
-        module.__dict__.update(saved)
+    # In a copy of the module's globals with the stand-ins: the live module is left as it is.
+    scope = module_scope(module, **stand_ins)
+    return in_scope(original(module, "_get_rng_state"), scope)(fsdp_dtensor=False, data_parallel_random_init=False)
 
 
 def probe(module: types.ModuleType):

@@ -37,6 +37,7 @@ import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
 from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import in_scope, module_scope
 from .. import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
@@ -234,11 +235,9 @@ def _probe_once(module, cls, dp_rank, use_megatron_fsdp=False):
         raise RuntimeError(f"{MODULE} no longer defines {', '.join(missing)}")
     manager = object.__new__(cls)  # only get_rng_state's attribute: no model, optimizer or config
     manager.use_megatron_fsdp = use_megatron_fsdp
-    module.__dict__.update(stand_ins)
-    try:
-        return original(cls, "get_rng_state")(manager, use_dist_ckpt=True)
-    finally:
-        module.__dict__.update(saved)
+    # In a copy of the module's globals with the stand-ins: the live module is left as it is.
+    scope = module_scope(module, **stand_ins)
+    return in_scope(original(cls, "get_rng_state"), scope)(manager, use_dist_ckpt=True)
 
 
 def probe(module: types.ModuleType):

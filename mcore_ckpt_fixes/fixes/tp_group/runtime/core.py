@@ -10,6 +10,7 @@ import sys
 import types
 
 from ....engine.patching import Patcher, below, mark, original
+from ....engine.probing import in_scope, module_scope
 from .. import ID, LAYER, MIXER, RADIO
 
 # Groups of the MambaMixer / RADIOViTModel currently inside the patched call (None outside).
@@ -156,14 +157,16 @@ def probe_mamba_mixer(module: types.ModuleType):
 
     stub = torch.nn.Module()  # empty: the first helper call is all the probe needs to see
     stub.tp_group = _Sentinel()
-    saved = module.__dict__["make_sharded_tensors_for_checkpoint"]
-    module.make_sharded_tensors_for_checkpoint = recorder
+    # The release's method in a copy of the module's globals with the recorder: the live module is
+    # left as it is.
+    method = in_scope(
+        original(module.MambaMixer, "sharded_state_dict"),
+        module_scope(module, make_sharded_tensors_for_checkpoint=recorder),
+    )
     try:
-        module.MambaMixer.sharded_state_dict(stub, "", (), {"dp_cp_group": _Sentinel()})
+        method(stub, "", (), {"dp_cp_group": _Sentinel()})
     except _ProbeDone:
         pass
-    finally:
-        module.make_sharded_tensors_for_checkpoint = saved
     if not seen:
         return None, "MambaMixer.sharded_state_dict no longer calls make_sharded_tensors_for_checkpoint"
     if seen.get("tp_group") is stub.tp_group:
@@ -183,23 +186,25 @@ def probe_radio(module: types.ModuleType):
         return IdentityOp()
 
     group = _Sentinel()
-    saved = {n: module.__dict__[n] for n in ("ColumnParallelLinear", "TransformerBlock")}
-    module.ColumnParallelLinear = fake_linear
-    module.TransformerBlock = lambda *a, **k: IdentityOp()
-    try:
-        model = module.RADIOViTModel(
-            _tiny_config(),
-            None,
-            patch_dim=4,
-            img_h=4,
-            img_w=4,
-            max_img_h=4,
-            max_img_w=4,
-            pg_collection=types.SimpleNamespace(tp=group),
-        )
-    finally:
-        for n, v in saved.items():
-            setattr(module, n, v)
+    # The release's __init__ in a copy of the module's globals with the stand-ins: the live module
+    # is left as it is.
+    cls = module.RADIOViTModel
+    init = in_scope(
+        original(cls, "__init__"),
+        module_scope(module, ColumnParallelLinear=fake_linear, TransformerBlock=lambda *a, **k: IdentityOp()),
+    )
+    model = cls.__new__(cls)
+    init(
+        model,
+        _tiny_config(),
+        None,
+        patch_dim=4,
+        img_h=4,
+        img_w=4,
+        max_img_h=4,
+        max_img_w=4,
+        pg_collection=types.SimpleNamespace(tp=group),
+    )
     # 0.19 stores the group through a helper that yields None outside torch.distributed: what
     # matters is that the model keeps a tp_group of its own instead of asking parallel_state.
     stored = "tp_group" in model.__dict__
