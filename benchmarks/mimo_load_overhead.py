@@ -44,7 +44,7 @@ def _best(fn, repeat):
 def main(n: int) -> int:
     import torch.distributed as dist
 
-    from mcore_ckpt_fixes.testing import cpu_shims
+    from mcore_ckpt_fixes.testing import _cpu_shims as cpu_shims
 
     cpu_shims.install()
     work = tempfile.mkdtemp(prefix="mimo-load-bench-")

@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from mcore_ckpt_fixes.testing.launcher import run_world, values
-from mcore_ckpt_fixes.testing.standins import install_mamba_ssm_stand_in
+from mcore_ckpt_fixes.testing._standins import install_mamba_ssm_stand_in
 
 
 def main() -> int:

@@ -25,9 +25,9 @@ def pytest_sessionstart(session):
     Megatron binds ``mamba_ssm``'s gated RMSNorm when ``megatron.core.ssm.mamba_mixer`` is first
     imported, and other tests import it on the way (on 0.18.2, ``megatron.training``, which the
     rng-under-ep and expert-keys tests load in this process, imports it); whichever test runs first
-    must not fix that choice for the whole session. The stand-in (see mcore_ckpt_fixes/testing/standins.py) is test infrastructure for a
+    must not fix that choice for the whole session. The stand-in (see mcore_ckpt_fixes/testing/_standins.py) is test infrastructure for a
     CUDA-only package that cannot be installed here; a real installation wins."""
-    from mcore_ckpt_fixes.testing.standins import install_mamba_ssm_stand_in
+    from mcore_ckpt_fixes.testing._standins import install_mamba_ssm_stand_in
 
     install_mamba_ssm_stand_in()
 

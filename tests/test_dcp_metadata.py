@@ -19,7 +19,7 @@ def main():
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(random.randint(30000, 45000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from mcore_ckpt_fixes.testing import cpu_shims
+    from mcore_ckpt_fixes.testing import _cpu_shims as cpu_shims
     cpu_shims.install()
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor

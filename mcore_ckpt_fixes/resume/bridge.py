@@ -14,7 +14,7 @@ and its step and consumed samples are compared with the rest.
 
 Stand-ins, besides :mod:`.job`'s (test and selftest workers only): for ``import megatron.bridge`` on
 a host without Transformer Engine, which cannot be installed without CUDA, the stand-in of
-:func:`mcore_ckpt_fixes.testing.standins.install_transformer_engine_stand_in_for_bridge` (visible to
+:func:`mcore_ckpt_fixes.testing._standins.install_transformer_engine_stand_in_for_bridge` (visible to
 ``megatron.bridge.peft.lora_layers``' import only; nothing of Transformer Engine runs here).
 """
 
@@ -39,7 +39,7 @@ def prepare() -> None:
     """In the parent, before any world: let Bridge import here (the Transformer Engine stand-in, where
     TE is not installed) and import it once, so that the forked ranks start warm. Where Bridge is not
     installed nothing is imported; the configuration then says why it is not applicable."""
-    from ..testing.standins import install_transformer_engine_stand_in_for_bridge
+    from ..testing._standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     with contextlib.suppress(ImportError):

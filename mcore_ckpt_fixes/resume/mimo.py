@@ -227,9 +227,9 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     """One rank of one run, as :func:`.job.run` (the same phases, the same result)."""
-    from ..testing.cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ..testing.fused_adam import optimizer_path
-    from ..testing.rng_standin import TrainingRngStandIn
+    from ..testing._cpu_shims import cpu_streams, cuda_to_cpu_mode
+    from ..testing._fused_adam import optimizer_path
+    from ..testing._rng_standin import TrainingRngStandIn
 
     assert world_size == cfg.world == 2, f"{cfg.name} runs on 2 ranks, got {world_size}"
     torch.set_num_threads(1)

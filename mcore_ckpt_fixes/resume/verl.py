@@ -19,7 +19,7 @@ Stand-ins, besides :mod:`.job`'s (test and selftest workers only):
 * verl's device probes in the manager's module (``get_device_name``, ``is_device_available``,
   ``get_torch_device``): on a CPU host they answer "no accelerator", so verl would save no CUDA
   generator state, while on a GPU it saves and restores it. Here they answer as on a CUDA host, with
-  ``torch.cuda``'s RNG functions those of the stand-in generator (:mod:`mcore_ckpt_fixes.testing.rng_standin`), which hidden
+  ``torch.cuda``'s RNG functions those of the stand-in generator (:mod:`mcore_ckpt_fixes.testing._rng_standin`), which hidden
   dropout draws from;
 * verl seeds Megatron's RNG tracker only where it sees an accelerator: on a CPU host the job makes
   the call verl makes there (``model_parallel_cuda_manual_seed(seed)``).

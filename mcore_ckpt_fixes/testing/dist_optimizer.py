@@ -3,7 +3,7 @@ checkpoint (test and selftest worker processes only).
 
 A one-layer GPT (local spec), ``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam, the
 distributed optimizer; on a CPU host without Transformer Engine or Apex Megatron takes torch's Adam,
-unless :func:`mcore_ckpt_fixes.testing.fused_adam.optimizer_path` says otherwise), real optimizer
+unless :func:`mcore_ckpt_fixes.testing._fused_adam.optimizer_path` says otherwise), real optimizer
 steps on deterministic gradients (filled into DDP's gradient buffer as a reduce would leave them, the
 same on every rank, so that no forward pass is needed). ``device="cuda"`` tensors Megatron's optimizer
 allocates are made on the CPU (``cuda_to_cpu_mode``) in :func:`world`.
@@ -139,7 +139,7 @@ def world(**parallel):
     are destroyed after, whatever happened."""
     from megatron.core import parallel_state as mpu
 
-    from .cpu_shims import cuda_to_cpu_mode
+    from ._cpu_shims import cuda_to_cpu_mode
 
     mpu.initialize_model_parallel(**parallel)
     try:

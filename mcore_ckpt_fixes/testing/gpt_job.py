@@ -19,7 +19,7 @@ Every RNG stream Megatron checkpoints is consumed every step, each into the loss
   counts too).
 
 CPU stand-ins (worker processes only): torch's default generator plays the CUDA default generator
-and a second one the CPU generator (:mod:`.rng_standin`), so a tracker fork really changes what
+and a second one the CPU generator (:mod:`._rng_standin`), so a tracker fork really changes what
 dropout and ``normal_()`` draw; ``device="cuda"`` tensors are made on the CPU (``cuda_to_cpu_mode``); Apex's FusedAdam is
 stood in for where the configuration asks for it (``fused_adam``); under sequence parallel torch's
 norm takes Apex's ``FusedLayerNorm``'s place (:func:`sequence_parallel_torch_norms`). On CUDA none of
@@ -472,9 +472,9 @@ def sequence_parallel_torch_norms():
 def worker(cfg, device):
     """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
     the FusedAdam path; yields the CPU generator. Model-parallel state is destroyed on the way out."""
-    from .cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from .fused_adam import optimizer_path
-    from .rng_standin import TrainingRngStandIn
+    from ._cpu_shims import cpu_streams, cuda_to_cpu_mode
+    from ._fused_adam import optimizer_path
+    from ._rng_standin import TrainingRngStandIn
 
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
     on_cpu = device == "cpu" and not torch.cuda.is_available()

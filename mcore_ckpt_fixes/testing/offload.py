@@ -106,7 +106,7 @@ def offload_path(apex=True):
     """Everything a hybrid optimizer needs on this host: Megatron's optimizer modules as with Apex
     installed (``apex``, the path a GPU host takes; else torch's fallback), the precision-aware
     optimizer accepted without Transformer Engine, and :func:`on_device` (yields its mode, or None)."""
-    from .fused_adam import optimizer_path
+    from ._fused_adam import optimizer_path
 
     with precision_aware_without_te(), optimizer_path(apex=apex), on_device() as device:
         yield device

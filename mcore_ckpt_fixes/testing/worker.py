@@ -47,7 +47,7 @@ def _run_rank(job: dict, rank: int, result_path: str) -> int:
         import torch.distributed as dist
 
         if job["backend"] == "gloo":
-            from . import cpu_shims
+            from . import _cpu_shims as cpu_shims
 
             cpu_shims.install()  # a no-op where CUDA is available
         if torch.cuda.is_available():

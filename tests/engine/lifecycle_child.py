@@ -15,7 +15,7 @@ import types
 
 def _stand_ins():
     # tp-group's targets import mamba_ssm on some releases; test infrastructure, as in conftest.py.
-    from mcore_ckpt_fixes.testing.standins import install_mamba_ssm_stand_in
+    from mcore_ckpt_fixes.testing._standins import install_mamba_ssm_stand_in
 
     install_mamba_ssm_stand_in()
 

@@ -1,7 +1,7 @@
 """dist-optim-state: both halves on every release line, in one warm world per half.
 
 World 2 (DP=2, gloo on CPU), a one-layer GPT, Megatron's DDP and distributed optimizer (on the
-FusedAdam path through the CPU stand-in of mcore_ckpt_fixes/testing/fused_adam.py, or on torch's
+FusedAdam path through the CPU stand-in of mcore_ckpt_fixes/testing/_fused_adam.py, or on torch's
 Adam), saved and loaded with ``dist_checkpointing`` from requests built as third-party trainers build
 them. See mcore_ckpt_fixes/fixes/dist_optim_state/checks/core.py. The fix-off half turns off this fix
 only (torch-adam-step stays on, as a user has it, so that the torch Adam case shows this fix's defect).

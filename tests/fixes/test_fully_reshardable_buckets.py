@@ -2,7 +2,7 @@
 
 World 2 (DP=2, gloo on CPU), a one-layer GPT, Megatron's DDP with ``overlap_grad_reduce`` and a small
 bucket size (the gradient buffer in six buckets) and its distributed optimizer on the FusedAdam path
-(the CPU stand-in of mcore_ckpt_fixes/testing/fused_adam.py), saved ``fully_reshardable`` and loaded
+(the CPU stand-in of mcore_ckpt_fixes/testing/_fused_adam.py), saved ``fully_reshardable`` and loaded
 with ``dist_checkpointing``. See mcore_ckpt_fixes/fixes/fully_reshardable_buckets/checks/core.py.
 """
 

@@ -4,7 +4,7 @@ Non-colocated modules, gloo on CPU: world 2 (language on rank 0, vision on rank 
 (TP=2 per module). Inner sharding type ``dp_reshardable``: on CPU the other DistributedOptimizer
 types do not round-trip for reasons outside MIMO (see mcore_ckpt_fixes/fixes/mimo_optimizer/checks/core.py).
 What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tensor.cuda()`` and
-``Tensor.type()`` names (a TorchFunctionMode), besides testing/cpu_shims.py.
+``Tensor.type()`` names (a TorchFunctionMode), besides testing/_cpu_shims.py.
 """
 
 import json

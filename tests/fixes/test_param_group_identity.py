@@ -3,7 +3,7 @@ warm world each; on 0.19.2 it is not needed.
 
 World 2 (DP=2, gloo on CPU), a one-layer GPT, Megatron's DDP and ``get_megatron_optimizer``'s
 distributed optimizer with a decoupled learning rate (three parameter groups, two of them alike
-but for ``max_lr``), on the FusedAdam path (the CPU stand-in of mcore_ckpt_fixes/testing/fused_adam.py),
+but for ``max_lr``), on the FusedAdam path (the CPU stand-in of mcore_ckpt_fixes/testing/_fused_adam.py),
 saved and loaded with ``dist_checkpointing``. See mcore_ckpt_fixes/fixes/param_group_identity/checks/core.py.
 """
 

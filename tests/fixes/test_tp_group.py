@@ -2,7 +2,7 @@
 
 World 2, TP=2, gloo on CPU, models built from an explicit ProcessGroupCollection (parallel_state
 never initialised). Stand-in used: ``mamba_ssm`` (CUDA/Triton kernels that cannot be installed on
-a CPU host), see mcore_ckpt_fixes/testing/standins.py for exactly what it replaces and why.
+a CPU host), see mcore_ckpt_fixes/testing/_standins.py for exactly what it replaces and why.
 """
 
 import pytest

@@ -15,7 +15,7 @@ Stand-ins (test processes only, never ``import mcore_ckpt_fixes``):
 
 * Transformer Engine, for importing Bridge at all: ``megatron.bridge.peft.lora_layers`` imports
   ``transformer_engine.pytorch`` without a fallback and TE cannot be installed without CUDA;
-  mcore_ckpt_fixes/testing/standins.py (``install_transformer_engine_stand_in_for_bridge``) shows that
+  mcore_ckpt_fixes/testing/_standins.py (``install_transformer_engine_stand_in_for_bridge``) shows that
   module, and only it, a stand-in while it is imported. Nothing of TE runs in these round trips.
 * the CUDA RNG: one CPU ``torch.Generator`` plays the CUDA default generator
   (``round_trips.CudaRngStandIn``), so the CUDA state and every tracker stream are distinct per rank.
@@ -66,7 +66,7 @@ def _python(code, **env):
 @pytest.fixture(scope="module", autouse=True)
 def bridge():
     """Bridge imported in the warm parent (the forked ranks inherit it), after the fix's hooks."""
-    from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
+    from mcore_ckpt_fixes.testing._standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     module = import_framework(FRAMEWORK, BRIDGE)
@@ -94,7 +94,7 @@ def _is_the_shared_copy(results, saved):
 _STATUS = """
 import json, os
 import mcore_ckpt_fixes
-from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
+from mcore_ckpt_fixes.testing._standins import install_transformer_engine_stand_in_for_bridge
 install_transformer_engine_stand_in_for_bridge()
 import megatron.bridge.training.checkpointing as m
 from mcore_ckpt_fixes.fixes.rng_under_ep.runtime import bridge as f

@@ -11,7 +11,7 @@ Real: Megatron-Bridge (installed from tools/frameworks/megatron-bridge.txt), its
 ``make_fsdp_dtensor``, torch DCP save/load, 2 forked ranks on gloo with EP=2. Stand-ins: the model
 (see mcore_ckpt_fixes/fixes/expert_keys/checks/core.py: Transformer Engine's grouped MLP cannot be
 installed on a CPU host, so a module tree with its parameter names) and, for importing Bridge at all,
-the Transformer Engine stand-in of mcore_ckpt_fixes/testing/standins.py (Bridge's import chain
+the Transformer Engine stand-in of mcore_ckpt_fixes/testing/_standins.py (Bridge's import chain
 reaches ``transformer_engine``; nothing of it runs in these round trips).
 Single grouped expert tensors exist from Megatron-Core 0.18, but Megatron-Bridge 0.6.2 imports only
 on 0.19 (``megatron.training.models.gpt``; measured: ModuleNotFoundError on 0.18.2), and Bridge
@@ -47,7 +47,7 @@ GLOBAL_SHAPES = {
 @pytest.fixture(scope="module", autouse=True)
 def bridge():
     """Bridge imported in the warm parent (the forked ranks inherit it), after the fix's hooks."""
-    from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
+    from mcore_ckpt_fixes.testing._standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     module = import_framework("megatron-bridge", BRIDGE)
@@ -115,7 +115,7 @@ def test_patched_bridge_preprocessing_round_trips_exactly(variant, tmp_path):
 
 _SOURCE_RUN = r"""
 import json, os, sys, tempfile
-from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
+from mcore_ckpt_fixes.testing._standins import install_transformer_engine_stand_in_for_bridge
 install_transformer_engine_stand_in_for_bridge()
 import megatron.core, megatron.bridge
 assert megatron.core.__path__[0].startswith(os.environ["PATCHED_ROOT"]), megatron.core.__path__

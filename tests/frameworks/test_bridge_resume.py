@@ -14,7 +14,7 @@ Without the fixes it resumes exactly too: Bridge 0.6.2 keys its ``torch_dist`` R
 streams (rng-under-ep's Bridge target is its ``fsdp_dtensor`` entry, which needs Megatron-FSDP's CUDA
 buffers and is checked by tests/frameworks/test_bridge.py's round trips), and the distributed
 optimizer on the FusedAdam path needs no fix. Stand-ins: those of mcore_ckpt_fixes/testing/gpt_job.py, and
-Transformer Engine for importing Bridge (mcore_ckpt_fixes/testing/standins.py).
+Transformer Engine for importing Bridge (mcore_ckpt_fixes/testing/_standins.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ TRAIN_STATE = {
 @pytest.fixture(scope="module")
 def checked():
     """The check once for the module (A, then B and C with the fixes on and with every fix off)."""
-    from mcore_ckpt_fixes.testing.standins import install_transformer_engine_stand_in_for_bridge
+    from mcore_ckpt_fixes.testing._standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     import_framework(FRAMEWORK, CFG.requires)

@@ -504,7 +504,7 @@ def test_the_rng_stand_in_really_swaps_what_dropout_draws():
 
     if torch.cuda.is_available():
         pytest.skip("the stand-in is used only without CUDA")
-    (got,) = values(run_world("mcore_ckpt_fixes.testing.rng_standin:fork_draws", 1, timeout=120))
+    (got,) = values(run_world("mcore_ckpt_fixes.testing._rng_standin:fork_draws", 1, timeout=120))
     stream, outer = torch.Generator().manual_seed(2), torch.Generator().manual_seed(1)
     assert torch.equal(got["inside"], torch.rand(8, generator=stream))  # drawn from the tracker's stream
     assert torch.equal(got["after"], torch.rand(8, generator=outer))  # the default stream, untouched by the fork

@@ -1,5 +1,5 @@
 """dist-optim-mixed-dtype-order's round trips: Megatron's DDP and distributed optimizer (Adam on the
-path Megatron takes with Apex installed, :mod:`mcore_ckpt_fixes.testing.fused_adam`'s CPU stand-in) with fp32 parameters beside bf16 ones in one parameter group, saved and loaded with
+path Megatron takes with Apex installed, :mod:`mcore_ckpt_fixes.testing._fused_adam`'s CPU stand-in) with fp32 parameters beside bf16 ones in one parameter group, saved and loaded with
 ``dist_checkpointing`` on 2 gloo ranks. Two cases (``CASES``), in one world:
 
 * ``gpt``: a one-layer bf16 GPT (local spec) not wrapped in ``Float16Module``, so torch's
@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, step, values, world
 
 # The scenarios' prepare (warm imports in the parent before any world forks).

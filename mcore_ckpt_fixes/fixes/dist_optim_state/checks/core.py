@@ -6,7 +6,7 @@ A source run takes ``STEPS`` optimizer steps and saves; one more step is the ref
 (other initial values, no step taken: the optimizer has no state, as in a job that just started)
 builds its load request as the case says, loads, and takes the same next step. Each case runs on the
 optimizer path users train on (``apex``: Apex FusedAdam's interface, the CPU stand-in of
-:mod:`mcore_ckpt_fixes.testing.fused_adam`) or on torch's Adam (no Apex or Transformer Engine):
+:mod:`mcore_ckpt_fixes.testing._fused_adam`) or on torch's Adam (no Apex or Transformer Engine):
 
 * ``fresh_request`` (a): the target's request is ``sharded_state_dict(model_sd, is_loading=False,
   metadata=...)``: without the fix the load completes and restores no ``exp_avg`` / ``exp_avg_sq``
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import build, local_state, step, one_case, run_cases
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip

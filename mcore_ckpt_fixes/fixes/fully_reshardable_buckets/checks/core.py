@@ -3,7 +3,7 @@
 (``overlap_grad_reduce`` and a small ``bucket_size``, as Megatron-LM's ``--overlap-grad-reduce
 --ddp-bucket-size``), saved in ``fully_reshardable`` format with ``dist_checkpointing`` on 2 gloo
 ranks (DP=2), on the optimizer path users train on (Apex FusedAdam's interface, the CPU stand-in of
-:mod:`mcore_ckpt_fixes.testing.fused_adam`).
+:mod:`mcore_ckpt_fixes.testing._fused_adam`).
 
 A source run takes ``STEPS`` optimizer steps and saves; one more step is the reference. A target run
 (other initial values) builds Megatron's own load request (``is_loading=True``), loads and takes the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import build, full_state, step, one_case, run_cases
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip

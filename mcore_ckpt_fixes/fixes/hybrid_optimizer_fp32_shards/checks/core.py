@@ -34,7 +34,7 @@ What is not real on a CPU host: no tensor is on a GPU, as
 :mod:`mcore_ckpt_fixes.testing.offload` says (parameters that report ``is_cuda``, stream
 stand-ins), and Megatron's CUDA allocations are made on the CPU
 (:mod:`mcore_ckpt_fixes.testing.dist_optimizer`). Megatron's optimizer modules see Apex's FusedAdam
-(:func:`mcore_ckpt_fixes.testing.fused_adam.optimizer_path`), so the distributed optimizer takes the
+(:func:`mcore_ckpt_fixes.testing._fused_adam.optimizer_path`), so the distributed optimizer takes the
 branches a GPU host takes for the hybrid optimizer; with offload fraction 1.0 every parameter is
 updated by torch's ``AdamW`` on the CPU, as there. Before 0.17 ``OptimizerConfig`` asks for
 Transformer Engine's version for the precision-aware optimizer, which raises without it: the check
@@ -51,7 +51,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, values, world
 from ....testing.offload import on_device, precision_aware_without_te
 from ....testing.result import RoundTrip

@@ -16,7 +16,7 @@ What is *not* the real thing, and why:
   derive for the optimizer is built here from plain ``torch.distributed`` groups with the same
   membership. The checkpoint code under test (``MimoOptimizer.sharded_state_dict`` /
   ``load_state_dict`` and the inner optimizers') is the real code.
-* On CPU the worker's shims (``testing/cpu_shims.py``) make ``torch.cuda.current_device()`` the CPU
+* On CPU the worker's shims (``testing/_cpu_shims.py``) make ``torch.cuda.current_device()`` the CPU
   so DDP's buffers and the optimizer's state land there. Apex/TransformerEngine are absent, so the
   inner optimizer is ``torch.optim.AdamW`` behind ``DistributedOptimizer`` (its documented fallback).
 * The optimizer state is produced by one real AdamW step on the main-parameter shards, then
@@ -64,7 +64,7 @@ SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_sp
 
 
 def _cuda_to_cpu_mode():
-    from ....testing.cpu_shims import cuda_to_cpu_mode
+    from ....testing._cpu_shims import cuda_to_cpu_mode
 
     return cuda_to_cpu_mode()
 

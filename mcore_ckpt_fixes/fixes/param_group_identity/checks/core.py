@@ -4,7 +4,7 @@ decoupled learning rate (Megatron-LM's ``--decoupled-lr``: the embedding and out
 gets its own ``max_lr``), saved and loaded with ``dist_checkpointing`` through the
 ``ChainedOptimizer`` that function returns and through its ``DistributedOptimizer`` on its own (as
 Megatron-FSDP's setup returns one), on 2 gloo ranks (DP=2), on Apex FusedAdam's path (the CPU
-stand-in of :mod:`mcore_ckpt_fixes.testing.fused_adam`).
+stand-in of :mod:`mcore_ckpt_fixes.testing._fused_adam`).
 
 A source run takes ``STEPS`` optimizer steps and saves; a target run (other initial values) builds
 Megatron's own load request (``is_loading=True``) and loads. Checked on every rank: every parameter
@@ -19,7 +19,7 @@ import os
 
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import build, distributed, local_state, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip

@@ -260,7 +260,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     from ....engine.patching import original
-    from ....testing.cpu_shims import cuda_to_cpu_mode
+    from ....testing._cpu_shims import cuda_to_cpu_mode
 
     rt = RoundTrip(error_line=error_line)
     training = training_checkpointing()

@@ -184,7 +184,7 @@ def error_line(exc):
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
-    from ....testing.cpu_shims import cuda_to_cpu_mode
+    from ....testing._cpu_shims import cuda_to_cpu_mode
 
     rt = RoundTrip(error_line=error_line)
     training = training_checkpointing()

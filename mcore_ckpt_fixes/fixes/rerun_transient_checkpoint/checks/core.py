@@ -140,7 +140,7 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
-    from ....testing.cpu_shims import cuda_to_cpu_mode
+    from ....testing._cpu_shims import cuda_to_cpu_mode
 
     rt = RoundTrip(error_line=machine_checks.error_line, cases={})
     training = training_checkpointing()

@@ -25,7 +25,7 @@ of values from every generator and tracker stream, so every component differs be
 
 Stand-ins (test and selftest workers only): :class:`.core.CudaRngStandIn` (one CPU generator
 plays the CUDA default generator) and, for ``import megatron.bridge``, the Transformer Engine
-stand-in of :func:`mcore_ckpt_fixes.testing.standins.install_transformer_engine_stand_in_for_bridge`
+stand-in of :func:`mcore_ckpt_fixes.testing._standins.install_transformer_engine_stand_in_for_bridge`
 (visible to ``megatron.bridge.peft.lora_layers``' import only).
 """
 
@@ -50,7 +50,7 @@ SEED, FRESH_SEED = 1234, 4321
 
 def prepare() -> None:
     """Run in the parent before any world starts: import what the ranks use, once."""
-    from ....testing.standins import install_transformer_engine_stand_in_for_bridge
+    from ....testing._standins import install_transformer_engine_stand_in_for_bridge
 
     install_transformer_engine_stand_in_for_bridge()
     import megatron.bridge.training.checkpointing  # noqa: F401

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ....testing.compare import max_abs_delta, worst
 from ....testing.result import RoundTrip
-from ....testing.rng_standin import CudaRngStandIn  # noqa: F401  (the round trips and frameworks' checks use it)
+from ....testing._rng_standin import CudaRngStandIn  # noqa: F401  (the round trips and frameworks' checks use it)
 from ....testing.states import fix_states
 from .. import ID as FIX_ID
 from .. import MODULE

@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ....testing.fused_adam import optimizer_path
+from ....testing._fused_adam import optimizer_path
 from ....testing import dist_optimizer as dopt
 from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip

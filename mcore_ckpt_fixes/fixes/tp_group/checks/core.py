@@ -13,7 +13,7 @@ does (``use_cpu_initialization=False``) and moved there whole afterwards (RADIO'
 position embedding are plain CPU tensors at construction). The CUDA path has not been run on a
 GPU by this project's CI: nothing in it is exercised on the CPU hosts the tests run on.
 
-``mamba_ssm`` is stood in for (:mod:`mcore_ckpt_fixes.testing.standins` says exactly what and
+``mamba_ssm`` is stood in for (:mod:`mcore_ckpt_fixes.testing._standins` says exactly what and
 why); everything else (MambaStack, MambaLayer, MambaMixer, ExtendedRMSNorm's ``sharded_state_dict``,
 the parallel linears, RADIOViTModel, dist_checkpointing) is the real code.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ....testing.result import RoundTrip
-from ....testing.standins import install_mamba_ssm_stand_in
+from ....testing._standins import install_mamba_ssm_stand_in
 from ....testing.states import fix_states
 
 TP = 2

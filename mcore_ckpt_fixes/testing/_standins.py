@@ -54,7 +54,7 @@ def install_mamba_ssm_stand_in() -> None:
             # engine patched, so refuse instead of testing something else than the fix.
             raise RuntimeError(
                 "megatron.core.ssm.mamba_mixer was imported without mamba_ssm; call "
-                "mcore_ckpt_fixes.testing.standins.install_mamba_ssm_stand_in() before importing it"
+                "mcore_ckpt_fixes.testing._standins.install_mamba_ssm_stand_in() before importing it"
             )
         return
     if "mamba_ssm" in sys.modules:
@@ -76,7 +76,7 @@ def install_mamba_ssm_stand_in() -> None:
         },
     }
     for name in names + list(leaves):
-        mod = types.ModuleType(name, "stand-in registered by mcore_ckpt_fixes.testing.standins")
+        mod = types.ModuleType(name, "stand-in registered by mcore_ckpt_fixes.testing._standins")
         mod.__dict__.update(leaves.get(name, {}))
         if name in names:
             mod.__path__ = []  # a package, so the submodules resolve
@@ -113,7 +113,7 @@ class _TEOpStandIn:
 
 
 def _te_stand_in_modules():
-    doc = f"stand-in registered by mcore_ckpt_fixes.testing.standins for {_TE_STAND_IN_FOR} only"
+    doc = f"stand-in registered by mcore_ckpt_fixes.testing._standins for {_TE_STAND_IN_FOR} only"
     mods = {name: types.ModuleType(name, doc) for name in _TE_NAMES}
     for name in ("transformer_engine", "transformer_engine.pytorch"):
         mods[name].__path__ = []
