@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_cuda_resume_exact_with_the_fixes(cfg, capsys):
+def test_cuda_resume_exact_with_the_fixes(cfg, capsys, mcore_version):
     import torch
 
     if not torch.cuda.is_available():
@@ -27,6 +27,10 @@ def test_cuda_resume_exact_with_the_fixes(cfg, capsys):
     out = resume.check(cfg, device="cuda")
     if "not_applicable" in out:  # e.g. the Bridge configuration where Megatron-Bridge is not installed
         pytest.skip(f"{cfg.name} not applicable: {out['not_applicable']}")
+    from test_cuda_round_trips import record
+
+    record({"resume": cfg.name, "release": str(mcore_version), "on": out["on"]["verdict"],
+            "off": out["off"]["verdict"], "needed_here": out.get("needed_here")})  # fmt: skip
     with capsys.disabled():
         print(
             f"\n{cfg.name} on {torch.cuda.get_device_name(0)}: on {out['on']['verdict']}, off {out['off']['verdict']}"

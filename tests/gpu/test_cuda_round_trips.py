@@ -14,6 +14,8 @@ collects this module (and ``test_selftest_cuda``) on every line, so their parame
 are checked where no GPU is.
 """
 
+import json
+import os
 import tempfile
 
 import pytest
@@ -33,6 +35,14 @@ def _backend(nproc):
     if not torch.cuda.is_available():
         pytest.fail("pytest -m gpu was asked for, but CUDA is not available to this torch")
     return "nccl" if torch.cuda.device_count() >= nproc else "gloo"
+
+
+def record(row):
+    """One line of tools/gpu_check.sh's machine-readable results (``MCORE_CKPT_FIXES_GPU_RESULTS``)."""
+    path = os.environ.get("MCORE_CKPT_FIXES_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
 
 
 @pytest.mark.parametrize("scenario", CUDA_SCENARIOS, ids=[s.id for s in CUDA_SCENARIOS])
@@ -55,6 +65,24 @@ def test_cuda_round_trip(scenario, mcore_version, capsys):
 
     off = values(world(False))
     on = values(world(True))
+    record(
+        {
+            "fix": scenario.fix_id,
+            "scenario": scenario.name,
+            "release": str(mcore_version),
+            "backend": backend,
+            "fix_needed": affected,
+            "off": [{"phase": r["phase"], "error": r["error"]} for r in off],
+            "on": [
+                {
+                    "error": r["error"],
+                    "max_delta": max(r["max_delta"].values(), default=None),
+                    "device": r.get("device"),
+                }
+                for r in on
+            ],
+        }
+    )
     with capsys.disabled():
         print(
             f"\n{scenario.id}: backend {backend}, devices {[r.get('device') for r in on]}, "

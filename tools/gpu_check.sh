@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole GPU check, in one command, on a GPU host prepared by tools/gpu_prepare.sh (run from the
+# repository root there, .gpu carried): for each release line's wheel, every scenario registered for
+# CUDA (tests/gpu/test_cuda_round_trips.py, both halves) and, on the newest line, the resume check on
+# CUDA (tests/gpu/test_cuda_resume.py), within a time budget (default 540 s in all, so the check ends
+# inside a 10-minute command). Writes to OUT (default .gpu/out):
+#   device.json    the device, driver, torch and CUDA versions
+#   results.jsonl  one line per scenario and release line: both halves' outcome per rank
+#   <line>.xml     pytest's JUnit report per line; summary.json: each test's outcome per line,
+#                  and what the budget left out
+# Exit 0 when every test that ran passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-.gpu/out}}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+mkdir -p "$OUT"
+start=$(date +%s)
+python3 - > "$OUT/device.json" <<'PY'
+import json, subprocess, torch
+try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip().splitlines()
+except OSError as exc:  # no driver on this host
+    smi = [f"nvidia-smi: {exc}"]
+print(json.dumps({"gpus": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+                  "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}))
+PY
+wheels=(.gpu/wheels/megatron_core-*.whl)
+newest=$(printf '%s\n' "${wheels[@]}" | sed 's/.*megatron_core-\([^-]*\)-.*/\1/' | sort -V | tail -1)
+rc=0
+left=()
+for whl in "${wheels[@]}"; do
+  rel=$(basename "$whl" | sed 's/megatron_core-\([^-]*\)-.*/\1/')
+  now=$(( $(date +%s) - start ))
+  if [ $now -ge "$BUDGET" ]; then left+=("$rel"); continue; fi
+  site=/tmp/mcore-gpu-$rel
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$whl" || { rc=1; continue; }
+  tests=(tests/gpu/test_cuda_round_trips.py)
+  [ "$rel" = "$newest" ] && tests+=(tests/gpu/test_cuda_resume.py)
+  echo "=== Megatron-Core $rel: ${tests[*]} ($(( BUDGET - now )) s left) ==="
+  PYTHONPATH="$site:$PWD" MCORE_CKPT_FIXES_GPU_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 \
+    timeout $(( BUDGET - now )) python3 -m pytest -p no:cacheprovider -m gpu -q -rA "${tests[@]}" \
+    --junitxml "$OUT/$rel.xml" || rc=1
+done
+python3 - "$OUT" "${left[@]}" > "$OUT/summary.json" <<'PY'
+import glob, json, os, sys
+import xml.etree.ElementTree as ET
+out, left = sys.argv[1], sys.argv[2:]
+summary = {"lines": {}, "not_run_budget": left}
+for path in sorted(glob.glob(os.path.join(out, "*.xml"))):
+    rows = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        rows[f"{case.get('classname')}::{case.get('name')}"] = kind
+    summary["lines"][os.path.basename(path)[:-4]] = rows
+print(json.dumps(summary, indent=1))
+PY
+echo "gpu_check: exit $rc after $(( $(date +%s) - start )) s; results in $OUT (lines left by the budget: ${left[*]:-none})"
+exit $rc
