@@ -33,7 +33,10 @@ def replacement_code() -> str:
     from ....sourcediff import refuse_names, replacement_section
     from ..runtime import keys
 
-    code = replacement_section(keys).replace("sys.modules[MODULE]", "sys.modules[__name__]")
+    # The upstream module's parallel_state, read through sys.modules[MODULE] by the runtime (which
+    # lives in another module), is the function's own global there.
+    code = replacement_section(keys).replace("    import sys\n\n", "").replace("sys.modules[MODULE].parallel_state", "parallel_state")
+    code = code.replace("sys.modules[MODULE]", "sys.modules[__name__]")
     refuse_names(code, ("MODULE", "ID", "NAMES", "mark", "original"))
     header = (
         "# Expert keys get global expert indices under expert parallelism, biases as well as weights,\n"

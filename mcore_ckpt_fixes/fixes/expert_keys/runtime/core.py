@@ -247,6 +247,12 @@ def probe_training(module: types.ModuleType):
     if home is not None:
         overrides.setdefault(home, {})
     scopes = module_scopes(overrides)
+    if home is not None and "_megatron_fsdp_uneven_dtensor_preprocessing" in scopes[home]:
+        # A source carrying this fix's diff: its preprocessing calls Megatron-FSDP's through that
+        # name; here, the copy with the local chunk.
+        scopes[home]["_megatron_fsdp_uneven_dtensor_preprocessing"] = scopes[uneven][
+            "preprocess_state_dict_for_uneven_dtensor"
+        ]
     state = {"model": {key: grouped}}
     in_scope(fn, scopes[home] if home is not None else dict(fn.__globals__))(state)
     got = tuple(state["model"][key].shape)

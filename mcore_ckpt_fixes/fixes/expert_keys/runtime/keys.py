@@ -42,7 +42,7 @@ def _ep_size_and_rank():
     """(EP size, EP rank) of this rank, from parallel_state."""
     import sys
 
-    # Read through the module's namespace, not imported here: the probe swaps it for a stand-in.
+    # fsdp_dtensor_checkpoint's parallel_state.
     ps = sys.modules[MODULE].parallel_state
     # 0 (or None) when parallel_state is not initialised (a single-process conversion script): one
     # EP rank. (upstream's get_ep_layer_offset divides by it.)
@@ -220,12 +220,17 @@ def handle_grouped_experts_in_state_dict(state_dict):
     return state_dict
 
 
-def preprocess_state_dict_for_uneven_dtensor(state_dict):
-    """Megatron-FSDP's uneven-DTensor preprocessing, then single grouped expert tensors made
-    EP-global (:func:`handle_grouped_experts_in_state_dict`)."""
+def _megatron_fsdp_uneven_dtensor_preprocessing(state_dict):
+    """Megatron-FSDP's own uneven-DTensor preprocessing (the chunk metadata of every DTensor)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
 
     uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state_dict)
+
+
+def preprocess_state_dict_for_uneven_dtensor(state_dict):
+    """Megatron-FSDP's uneven-DTensor preprocessing, then single grouped expert tensors made
+    EP-global (:func:`handle_grouped_experts_in_state_dict`)."""
+    _megatron_fsdp_uneven_dtensor_preprocessing(state_dict)
     return handle_grouped_experts_in_state_dict(state_dict)
 
 
