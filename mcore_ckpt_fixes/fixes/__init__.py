@@ -34,4 +34,5 @@ ORDER = (
     "dist-optim-mixed-dtype-order",
     "rerun-state-strict-load",
     "scheduler-override-group-lr",
+    "fsdp-dtensor-pp-guard",
 )
