@@ -32,7 +32,9 @@ FIX = Fix(
         "An fsdp_dtensor checkpoint resumed with another pipeline layout is refused with one clear error "
         "(was: later stages silently loaded the first stage's layers)"
     ),
-    affected=">=0.14.0,<=0.19.2",
+    # Measured on the wheels (megatron.training ships from 0.17.0); a Megatron-LM checkout of 0.14-0.16
+    # (fsdp_dtensor exists from 0.14.0) is decided by the probe.
+    affected=">=0.17.0,<=0.19.2",
     upstream=("NVIDIA/Megatron-LM#7452 (item 12; open): fsdp_dtensor keys use stage-local layer numbers",),
     targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
 )
