@@ -47,25 +47,12 @@ def stand_in_modules(names) -> None:
             sys.modules[name] = module
 
 
-class _CpuStream:
-    """``torch.cuda.Stream()`` on the CPU (``megatron.training.get_model`` makes one for DDP):
-    CPU work is ordered already, so the stream waits for nothing."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 def install_cuda_stream() -> None:
-    torch.cuda.Stream = _CpuStream
+    """``torch.cuda.Stream()`` on the CPU (``megatron.training.get_model`` makes one for DDP): the
+    CPU shims' stream, which waits for nothing (CPU work is ordered already)."""
+    from mcore_ckpt_fixes.testing._cpu_shims import _NoStream
+
+    torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
 
 
 def te_version_without_te() -> None:
