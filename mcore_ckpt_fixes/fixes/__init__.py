@@ -20,6 +20,7 @@ ORDER = (
     "torch-adam-step",
     "dist-optim-state",
     "fully-reshardable-buckets",
+    "dp-reshardable-padding",
     "param-group-identity",
     "chained-optim-main-params-split",
     "rerun-state-constant-structure",

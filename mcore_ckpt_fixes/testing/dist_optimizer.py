@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from dataclasses import dataclass
 
 import torch
 
 SOURCE_SEED = 1234
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The one-layer GPT's size and how DDP lays its gradient buffer out."""
+
+    hidden_size: int = 64
+    positions: int = 8  # max_sequence_length: the position embedding's rows
+    shared_embedding: bool = False  # the word embedding marked as a tied one on a pipeline stage
+    pad_buckets_for_high_nccl_busbw: bool = False
 
 
 def prepare() -> None:
@@ -33,9 +44,11 @@ def values(seed, *parts, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def build_model(seed, bf16=True, bucket_size=None):
+def build_model(seed, bf16=True, bucket_size=None, shape=None):
     """A one-layer GPT under Megatron's DDP for the distributed optimizer, parameters drawn from
-    ``seed`` (the same on both ranks)."""
+    ``seed`` (the same on both ranks). ``shape``: a :class:`Shape` (default: hidden 64, 8 positions,
+    buckets as Megatron pads them by default)."""
+    shape = shape or Shape()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -44,19 +57,29 @@ def build_model(seed, bf16=True, bucket_size=None):
 
     config = TransformerConfig(
         num_layers=1,
-        hidden_size=64,
+        hidden_size=shape.hidden_size,
         num_attention_heads=2,
         use_cpu_initialization=True,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
-    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=shape.positions)
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
+    if shape.shared_embedding:
+        # What Megatron marks on the first pipeline stage's word embedding when it is tied to the
+        # last stage's output layer (LanguageModule.setup_embeddings_and_output_layer, PP > 1): DDP
+        # gives it a bucket of its own, closing the bucket before it at the embedding's aligned start.
+        # The gradient buffer's layout reads nothing else of the pipeline.
+        gpt.embedding.word_embeddings.weight.shared_embedding = True
     # Megatron builds several buckets only with overlap_grad_reduce (else one bucket, whatever the size).
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, bucket_size=bucket_size, overlap_grad_reduce=bucket_size is not None
+        use_distributed_optimizer=True,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=bucket_size is not None,
+        # Megatron-LM's --ddp-pad-buckets-for-high-nccl-busbw: each bucket padded to 65536 elements.
+        **({"pad_buckets_for_high_nccl_busbw": True} if shape.pad_buckets_for_high_nccl_busbw else {}),
     )
     # Float16Module: every parameter in bf16, as Megatron's training wraps a bf16 model (torch's
     # LayerNorm, the fallback without Apex, would otherwise keep fp32 parameters beside bf16 ones).
@@ -82,11 +105,11 @@ def optimizer_config(bf16=True, decoupled_lr=None, **extra):
     )
 
 
-def build(seed, bf16=True, bucket_size=None, decoupled_lr=None):
+def build(seed, bf16=True, bucket_size=None, decoupled_lr=None, shape=None):
     """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    model = build_model(seed, bf16, bucket_size)
+    model = build_model(seed, bf16, bucket_size, shape)
     return model, get_megatron_optimizer(optimizer_config(bf16, decoupled_lr), [model])
 
 

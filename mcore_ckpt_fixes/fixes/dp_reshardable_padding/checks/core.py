@@ -1,0 +1,219 @@
+"""dp-reshardable-padding's round trips: Megatron's DDP and distributed optimizer
+(:mod:`mcore_ckpt_fixes.testing.dist_optimizer`) on a one-layer GPT, saved in ``dp_reshardable``
+format (Megatron-LM's default) with ``dist_checkpointing`` on 2 gloo ranks (DP=2), on the optimizer
+path users train on (Apex FusedAdam's interface, the CPU stand-in of
+:mod:`mcore_ckpt_fixes.testing._fused_adam`). The word embedding is marked as Megatron marks a tied
+embedding on a pipeline stage (``shared_embedding``): DDP gives it a bucket of its own and closes
+the bucket before it at the embedding's 64-aligned start. Building that from a real PP=2 x DP=2 run
+takes 4 ranks; the buffer's layout reads nothing of the pipeline but that mark.
+
+* ``all_padding_shard`` (#6191): ``--ddp-pad-buckets-for-high-nccl-busbw`` pads each bucket to 65536
+  elements; the embedding's bucket (4096) leaves rank 1's half all padding, while rank 1 holds
+  parameters of the other bucket. Without the fix rank 1 stops building the request with
+  ``AssertionError: empty bucket encountered``.
+* ``past_unpadded_end`` (#5898): hidden size 40 and 9 positions: the bucket before the embedding
+  ends at 22952, its unpadded size is 22976 and it is padded to 23040, so rank 1's shard (from 11520)
+  runs 64 elements past the checkpoint tensor. Without the fix torch DCP rejects the global plan on
+  rank 0 (``ValueError: Failed to validate global plan``) after rank 1 wrote its file: no metadata is
+  written (``metadata_written``), what is left is recorded (``left_on_disk``).
+* ``release_layout``: hidden size 40 and 7 positions: the bucket ends on a multiple of the shard
+  size, which the release handles: both halves save the same pieces (``layout``) and round-trip.
+
+A source run takes ``STEPS`` steps and saves; one more step is the reference. A target (other initial
+values) builds Megatron's own load request, loads and takes the same next step. Compared per
+parameter, whole (each rank's shard in place, summed over the ranks): fp32 main value and Adam moments
+after the load equal the source's at the save (``max_delta``), and after one more step the
+uninterrupted run's (``next/``).
+
+Every rank reports the world's first failure (``error``, ``phase``; ``rank_errors``: each rank's own):
+a request a rank cannot build is shared before the save's collectives start; a save that fails on
+one rank inside DCP's collectives leaves the others waiting, and they learn its error from its
+``failed.rank<N>`` file in the case's directory once its process has gone. So a world runs
+``past_unpadded_end`` last: without the fix it ends the world.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ....testing._fused_adam import optimizer_path
+from ....testing.dist_optimizer import Shape, build, full_state, request, step, world
+from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+STEPS = 2
+SOURCE_SEED, TARGET_SEED = 1234, 98765
+FORMAT = "dp_reshardable"
+PLAN_REJECTED = "ValueError: Failed to validate global plan"
+METADATA = (".metadata", "metadata.json")  # torch DCP's, Megatron's
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: Shape
+    doc: str
+
+
+CASES = {
+    "release_layout": Case(Shape(hidden_size=40, positions=7, shared_embedding=True), "the release's pieces are right"),
+    "all_padding_shard": Case(
+        Shape(shared_embedding=True, pad_buckets_for_high_nccl_busbw=True), "rank 1's half of a bucket all padding"
+    ),
+    "past_unpadded_end": Case(
+        Shape(hidden_size=40, positions=9, shared_embedding=True), "rank 1's shard ends past the unpadded size"
+    ),
+}
+
+
+def error_line(exc) -> str:
+    """One line per failure: a failure another rank had (:class:`WorldFailed`) as that rank said it;
+    DCP's plan rejection without the pieces it lists (they name every key)."""
+    if isinstance(exc, WorldFailed):
+        return exc.error
+    line = f"{type(exc).__name__}: {exc}"
+    return PLAN_REJECTED if line.startswith(PLAN_REJECTED) else line
+
+
+class WorldFailed(Exception):
+    """The world's first failure, as every rank reports it."""
+
+    def __init__(self, phase, error, rank_errors):
+        super().__init__(error)
+        self.phase, self.error, self.rank_errors = phase, error, rank_errors
+
+
+def _before_collectives(rt, phase, fn):
+    """``fn()`` on every rank, whose failure on any rank ends the case on every rank."""
+    rt.phase(phase)
+    out, mine = None, None
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - shared with the world, recorded below
+        mine = error_line(exc)
+        rt["rank_traceback"] = traceback.format_exc()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = next((e for e in everyone if e is not None), None)
+    if first is not None:
+        raise WorldFailed(phase, first, everyone)
+    return out
+
+
+def _inside_collectives(rt, phase, fn, case_dir):
+    """``fn()``, a step whose failure on one rank can leave the others waiting in a collective until
+    that rank's process ends: a failing rank writes its error to ``failed.rank<N>`` first, and the
+    world's first failure is the lowest rank's file."""
+    rt.phase(phase)
+    try:
+        return fn()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            raise
+        rank, size = dist.get_rank(), dist.get_world_size()
+        rt["rank_traceback"] = traceback.format_exc()
+        with open(os.path.join(case_dir, f"failed.rank{rank}"), "w") as f:
+            f.write(error_line(exc))
+        everyone = [_read_failure(case_dir, r, wait=r < rank) for r in range(size)]
+        raise WorldFailed(phase, next(e for e in everyone if e is not None), everyone) from exc
+
+
+def _read_failure(case_dir, rank, wait):
+    path = os.path.join(case_dir, f"failed.rank{rank}")
+    deadline = time.monotonic() + (10.0 if wait else 0.0)
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _layout(optimizer_sd):
+    """This rank's pieces of the optimizer's bucket tensors: (key, offset, length, global length)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return sorted(
+        (v.key, v.global_offset[0], v.local_shape[0], v.global_shape[0])
+        for v in nested_values(optimizer_sd)
+        if isinstance(v, ShardedTensor) and ".bucket_idx_" in v.key
+    )
+
+
+def _buckets(model):
+    """Per bucket of the gradient buffer: (unpadded size, padded size)."""
+    return [(b.numel_unpadded, b.grad_data.numel()) for buffer in model.buffers for b in buffer.buckets]
+
+
+def run_case(name, ckpt_dir, patched):
+    """One case (``CASES``) in a world whose parallel state is initialised: its RoundTrip result."""
+    from megatron.core import dist_checkpointing
+
+    case = CASES[name]
+    rt = RoundTrip(error_line=error_line, case=name, rank_errors=None)
+    case_dir = os.path.join(ckpt_dir, name)
+    with rt.running(), optimizer_path(apex=True):
+        try:
+            rt.phase("precondition")
+            rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+            model, opt = build(SOURCE_SEED, shape=case.shape)
+            rt["buckets"] = _buckets(model)
+            for i in range(STEPS):
+                step(model, opt, i)
+            saving = _before_collectives(rt, "request", lambda: request(model, opt, FORMAT, False))
+            rt["layout"] = _layout(saving["optimizer"])
+            if dist.get_rank() == 0:
+                os.makedirs(case_dir, exist_ok=True)
+            dist.barrier()
+            try:
+                _inside_collectives(rt, "save", lambda: dist_checkpointing.save(saving, case_dir), case_dir)
+            except WorldFailed:
+                # The coordinator (rank 0) writes the metadata last: a save it failed has none.
+                rt["metadata_written"] = any(os.path.exists(os.path.join(case_dir, n)) for n in METADATA)
+                rt["left_on_disk"] = sorted(n for n in os.listdir(case_dir) if not n.startswith("failed.rank"))
+                raise
+            saved = full_state(model, opt)
+            step(model, opt, STEPS)
+            reference = full_state(model, opt)
+            target, target_opt = build(TARGET_SEED, shape=case.shape)
+            loading = _before_collectives(rt, "request", lambda: request(target, target_opt, FORMAT, True))
+            rt.phase("load")
+            loaded = dist_checkpointing.load(loading, case_dir)
+            target.module.load_state_dict(loaded["model"])
+            target_opt.load_state_dict(loaded["optimizer"])
+            rt.compare(saved, full_state(target, target_opt))
+            step(target, target_opt, STEPS)
+            rt.compare(reference, full_state(target, target_opt), prefix="next/")
+        except WorldFailed as failed:
+            rt["rank_errors"] = failed.rank_errors
+            rt.record(failed, phase=failed.phase)
+            rt["raw_error"] = failed.error
+    return rt.result
+
+
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """Several cases in one world, in ``CASES`` order (``past_unpadded_end`` last: without the fix
+    it ends the world): ``{case: result}``."""
+    names = [n for n in CASES if n in (names or CASES)]
+    with world():
+        return {name: run_case(name, ckpt_dir, patched) for name in names}
+
+
+def _one(name):
+    def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
+        with world():
+            return run_case(name, ckpt_dir, patched)
+
+    scenario.__name__ = scenario.__qualname__ = name
+    return scenario
+
+
+all_padding_shard = _one("all_padding_shard")
+past_unpadded_end = _one("past_unpadded_end")
