@@ -109,6 +109,16 @@ CONFIGS = (
         needs=("fully-reshardable-buckets",),
     ),
     Config(
+        "dense-dp2-padded-buckets",
+        "dense GPT, DP=2, --overlap-grad-reduce with several buckets, --ddp-pad-buckets-for-high-nccl-busbw "
+        "(each bucket padded to 65536 elements: rank 1's half of each all padding), distributed optimizer "
+        "(dp_reshardable)",
+        world=2,
+        ddp_bucket_size=1000,
+        extra_args=("--ddp-pad-buckets-for-high-nccl-busbw",),
+        needs=("dp-reshardable-padding",),
+    ),
+    Config(
         "dense-dp2-decoupled-lr",
         "dense GPT, DP=2, --decoupled-lr (the embedding and output layer's own learning rate), "
         "distributed optimizer (dp_reshardable)",

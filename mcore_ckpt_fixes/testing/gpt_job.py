@@ -223,6 +223,8 @@ def _build(args, cfg):
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=cfg.ddp_bucket_size,
         overlap_grad_reduce=cfg.ddp_bucket_size is not None,  # Megatron cuts buckets only then
+        # --ddp-pad-buckets-for-high-nccl-busbw, as get_model passes it on
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
     )
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}

@@ -15,17 +15,19 @@ from mcore_ckpt_fixes.testing import for_fix
 CORE = "mcore_ckpt_fixes.fixes.dp_reshardable_padding.checks.core"
 MODULE = "megatron.core.optimizer.distrib_optimizer"
 SCENARIOS = {s.name: s for s in for_fix(FIX.id)}
-CASES = ("release_layout", "all_padding_shard", "past_unpadded_end")
+CASES = ("release_layout", "all_padding_shard", "rank_without_parameters", "past_unpadded_end")
 KINDS = ("main", "exp_avg", "exp_avg_sq")
 BUCKETS = {  # (unpadded, padded) per bucket: the geometry each case is about
     "release_layout": [(22912, 22912), (2560, 2560)],
     "all_padding_shard": [(54720, 65536), (4096, 65536)],  # rank 1's half of bucket 1: [32768, 65536)
+    "rank_without_parameters": [(22976, 65536), (2560, 65536)],  # rank 1: [32768, 65536) of each
     "past_unpadded_end": [(22976, 23040), (2560, 2560)],  # rank 1's shard of bucket 0 ends at 23040
 }
 
 
 def test_registry():
-    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {n: (f"{CORE}:{n}", 2) for n in CASES[1:]}
+    registered = ("all_padding_shard", "past_unpadded_end")
+    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {n: (f"{CORE}:{n}", 2) for n in registered}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +45,12 @@ def _results(worlds, patched, case):
     return results
 
 
-def test_unpatched_refuses_a_rank_whose_shard_is_all_padding(worlds, mcore_version):
-    """Rank 1 stops building the request (bucket 1 gives it nothing but padding); rank 0 would wait
-    for it in the save's collectives: the check shares rank 1's error before they start."""
-    results = _results(worlds, False, "all_padding_shard")
+@pytest.mark.parametrize("case", ("all_padding_shard", "rank_without_parameters"))
+def test_unpatched_refuses_a_rank_whose_shard_is_all_padding(worlds, case, mcore_version):
+    """Rank 1 stops building the request (a bucket gives it nothing but padding; in
+    ``rank_without_parameters`` every bucket does); rank 0 would wait for it in the save's
+    collectives: the check shares rank 1's error before they start."""
+    results = _results(worlds, False, case)
     for rank, r in enumerate(results):
         assert (r["phase"], r["error"]) == ("request", "AssertionError: empty bucket encountered"), (rank, r)
         assert r["rank_errors"] == [None, "AssertionError: empty bucket encountered"], (rank, r["rank_errors"])
@@ -76,6 +80,11 @@ def test_patched_round_trip_is_exact_and_the_next_step_matches(worlds, case):
         assert kinds == set(KINDS) | {f"next/{k}" for k in KINDS}, (rank, kinds)
         assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
         assert all(off + n <= g for _, off, n, g in r["layout"]), (rank, "a piece past its tensor")
+
+
+def test_patched_rank_without_parameters_describes_empty_pieces_only(worlds):
+    rank1 = worlds[True][1]["rank_without_parameters"]["layout"]
+    assert rank1 and all(n == 0 for _, _, n, _ in rank1), rank1
 
 
 def test_patched_pieces_cover_each_bucket_tensor_exactly(worlds):
@@ -144,5 +153,7 @@ def test_a_shard_with_no_parameter_inside_the_unpadded_size_is_one_padding_piece
 def test_a_rank_without_any_parameter_inside_the_unpadded_size_is_refused_in_one_line(mcore_version):
     if mcore_version not in FIX.specifiers:
         pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
-    with pytest.raises(ValueError, match=r"^dp_reshardable: data-parallel rank 2 holds no parameter"):
+    with pytest.raises(
+        ValueError, match=r"^dp_reshardable: data-parallel rank 2 holds no parameter, so no state to shape its padding"
+    ):
         _described(2, 4, [(16, 10, [])])

@@ -31,7 +31,9 @@ EXACT = [c for c in CONFIGS if c.expect == "exact"]
 AS_RELEASE = [c for c in CONFIGS if c.expect == resume.AS_RELEASE]
 # Values compared per rank, at least: a GPT's parameters, optimizer state, scheduler and RNG streams
 # number over 100; a MIMO rank's module is two linears (4 parameters: 61 values with everything).
-MIN_VALUES = {MIMO.name: 50}
+# With each bucket padded to 65536 elements the small GPT's state lies in rank 0's halves: rank 1
+# holds no main parameter or optimizer state (over 70 values: parameters, scheduler, RNG, losses).
+MIN_VALUES = {MIMO.name: 50, "dense-dp2-padded-buckets": 70}
 
 
 def _needs_training():
@@ -146,6 +148,9 @@ def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
     if out["needed_here"] == ["legacy-save-writers"]:
         _assert_legacy_file_never_written(off)
         return
+    if out["needed_here"] == ["dp-reshardable-padding"]:
+        _assert_all_padding_shard_refused(off)
+        return
     assert off["verdict"] != "error", resume_fail_text(off)
     if not out["needed_here"]:
         assert off["verdict"] == "exact", resume_fail_text(off)
@@ -174,6 +179,14 @@ def _assert_strict_load_rejects_the_idle_rerun_state(off):
     assert off["error"] == "resume run: rank 0: Missing keys (for all ranks): {'rerun_state_machine_state'}.", off
     title = "CheckpointingException: Some keys found in the checkpoint are missing in the provided sharded state dict."
     assert title in off["detail"] and "load_checkpoint" in off["detail"], off["detail"][-2000:]
+
+
+def _assert_all_padding_shard_refused(off):
+    """--ddp-pad-buckets-for-high-nccl-busbw, every fix off: rank 1's half of a bucket is all
+    padding, and the stopped run's first save stops there (NVIDIA/Megatron-LM#6191)."""
+    assert off["verdict"] == "error", resume_fail_text(off)
+    assert off["error"] == "save run: rank 1: AssertionError: empty bucket encountered", off["error"]
+    assert "sharded_param_state_dp_reshardable" in off["detail"] and "save_checkpoint" in off["detail"], off["detail"]
 
 
 def _assert_legacy_file_never_written(off):

@@ -66,6 +66,11 @@ CASES = {
     "all_padding_shard": Case(
         Shape(shared_embedding=True, pad_buckets_for_high_nccl_busbw=True), "rank 1's half of a bucket all padding"
     ),
+    "rank_without_parameters": Case(
+        Shape(hidden_size=40, positions=9, shared_embedding=True, pad_buckets_for_high_nccl_busbw=True),
+        "every bucket under 32768 elements: rank 1 holds no parameter at all; rank 0's shard of the "
+        "first runs past its unpadded size",
+    ),
     "past_unpadded_end": Case(
         Shape(hidden_size=40, positions=9, shared_embedding=True), "rank 1's shard ends past the unpadded size"
     ),

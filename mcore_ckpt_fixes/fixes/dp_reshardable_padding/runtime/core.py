@@ -68,19 +68,23 @@ def _pad_to_unpadded_bucket_ends(optimizer, state):
                     if last_end < unpadded_end < shard_numel:
                         pieces.append(_padding_piece(pieces[-1], last_end, unpadded_end))
                     continue
-                if like is None:
+                start = min(max(unpadded_end, 0), shard_numel)
+                if not start:
+                    # Wholly in the end padding: an empty piece at the tensor's end, so that the
+                    # rank's request keeps the bucket (a bucket without a piece drops out of its
+                    # list, which then no longer lines up with the other ranks' on load); it reads
+                    # and writes nothing. A rank holding no parameter at all has no piece to shape
+                    # it like: the main parameter's (fp32) alone.
+                    empty_like = like or {"param": torch.empty(0, device=bucket.grad_data.device)}
+                    pieces.append(_padding_piece(empty_like, unpadded_end, unpadded_end))
+                elif like is None:
                     raise ValueError(
                         f"dp_reshardable: data-parallel rank {rank} holds no parameter, so no state to "
-                        f"describe its part of bucket {bucket_idx} of gradient buffer {gbuf_idx} with; "
+                        f"shape its padding of bucket {bucket_idx} of gradient buffer {gbuf_idx} like; "
                         "use a smaller data-parallel size or bigger buckets"
                     )
-                # Wholly in the end padding: an empty piece at the tensor's end, so that the rank's
-                # request keeps the bucket (a bucket without a piece drops out of its list, which no
-                # longer lines up with the other ranks' on load) and reads or writes nothing.
-                start = min(max(unpadded_end, 0), shard_numel)
-                pieces.append(
-                    _padding_piece(like, 0, start) if start else _padding_piece(like, unpadded_end, unpadded_end)
-                )
+                else:
+                    pieces.append(_padding_piece(like, 0, start))
     return state
 
 
