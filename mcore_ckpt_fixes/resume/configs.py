@@ -188,6 +188,16 @@ CONFIGS = (
         extra_args=("--dist-ckpt-save-pre-mcore-014", "--async-save"),
     ),
     Config(
+        "dense-dp2-new-lr-checkpoint-scheduler",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed with a new --lr / --min-lr and "
+        "--use-checkpoint-opt-param-scheduler: the checkpoint's schedule goes on, exactly",
+        world=2,
+        resume_args=(("--use-checkpoint-opt-param-scheduler", "--lr", "0.02", "--min-lr", "0.002"),),
+        # 0.19 matches the saved param groups by max_lr / min_lr: the load stops without the fix.
+        needs=("param-group-identity",),
+        needs_releases=">=0.19",
+    ),
+    Config(
         "dense-dp2-resume-options",
         "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed once per option whose resume is "
         "not meant to equal the uninterrupted run (in one world), each held to the release's own resume",
@@ -198,7 +208,6 @@ CONFIGS = (
             ("--no-load-rng",),
             ("--finetune",),
             ("--use-checkpoint-opt-param-scheduler",),
-            ("--use-checkpoint-opt-param-scheduler", "--lr", "0.02", "--min-lr", "0.002"),
             ("--dist-ckpt-strictness", "return_unexpected"),
             ("--dist-ckpt-strictness", "return_all"),
         ),

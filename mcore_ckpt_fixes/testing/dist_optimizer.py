@@ -87,12 +87,13 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
 
 
 def optimizer_config(bf16=True, decoupled_lr=None, **extra):
-    """Adam with the distributed optimizer; ``extra``: more OptimizerConfig fields."""
+    """Adam with the distributed optimizer; ``extra``: more OptimizerConfig fields (or others than
+    these: ``lr``, ``min_lr``)."""
     from megatron.core.optimizer import OptimizerConfig
 
     # bf16 with fp32 main parameters, as models train: the main-parameter shards are the
     # optimizer's own tensors (with fp32 model parameters they would be views of the model's).
-    return OptimizerConfig(
+    fields = dict(
         optimizer="adam",
         lr=1e-2,
         weight_decay=0.01,
@@ -101,16 +102,17 @@ def optimizer_config(bf16=True, decoupled_lr=None, **extra):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # The embedding and output layer's own learning rate (Megatron-LM's --decoupled-lr).
         **({} if decoupled_lr is None else {"decoupled_lr": decoupled_lr, "min_lr": 1e-3}),
-        **extra,
     )
+    return OptimizerConfig(**{**fields, **extra})
 
 
-def build(seed, bf16=True, bucket_size=None, decoupled_lr=None, shape=None):
-    """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both ranks)."""
+def build(seed, bf16=True, bucket_size=None, decoupled_lr=None, shape=None, lrs=None):
+    """Model (DDP) and distributed optimizer with parameters drawn from ``seed`` (the same on both
+    ranks); ``lrs``: the optimizer's ``lr`` / ``min_lr`` (Megatron-LM's --lr, --min-lr) if not the default."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     model = build_model(seed, bf16, bucket_size, shape)
-    return model, get_megatron_optimizer(optimizer_config(bf16, decoupled_lr), [model])
+    return model, get_megatron_optimizer(optimizer_config(bf16, decoupled_lr, **(lrs or {})), [model])
 
 
 def step(model, opt, index):

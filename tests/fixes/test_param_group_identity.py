@@ -1,9 +1,10 @@
-"""param-group-identity: both halves on every affected release line (0.16.1, 0.17.1, 0.18.2), one
-warm world each; on 0.19.2 it is not needed.
+"""param-group-identity: both halves on every affected release line (0.16.1, 0.17.1, 0.18.2, 0.19.2),
+one warm world each.
 
 World 2 (DP=2, gloo on CPU), a one-layer GPT, Megatron's DDP and ``get_megatron_optimizer``'s
-distributed optimizer with a decoupled learning rate (three parameter groups, two of them alike
-but for ``max_lr``), on the FusedAdam path (the CPU stand-in of mcore_ckpt_fixes/testing/_fused_adam.py),
+distributed optimizer: with a decoupled learning rate (three parameter groups, two of them alike
+but for ``max_lr``: defect (a), 0.16-0.18), and saved with one ``--lr`` and loaded with another
+(defect (b), 0.19), on the FusedAdam path (the CPU stand-in of mcore_ckpt_fixes/testing/_fused_adam.py),
 saved and loaded with ``dist_checkpointing``. See mcore_ckpt_fixes/fixes/param_group_identity/checks/core.py.
 """
 
@@ -25,35 +26,78 @@ BASE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     return both_halves(
-        FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_PARAM_GROUP_IDENTITY": "off"}, tmp_path_factory, mcore_version
+        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_PARAM_GROUP_IDENTITY": "off"}, tmp_path_factory, mcore_version
     )
 
 
+def _case(worlds, patched, case):
+    return [w[case] for w in worlds[patched]]
+
+
+def _before_019(version):
+    from packaging.version import Version
+
+    return version < Version("0.19.0")
+
+
 def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc) == ("decoupled_lr", f"{CORE}:round_trip", 2)
-    assert s.bug[">=0.16.0,<0.19.0"] is sc.ONE_SAVED_GROUP
+    decoupled, changed = for_fix(FIX.id)
+    assert (decoupled.name, decoupled.func, decoupled.nproc) == ("decoupled_lr", f"{CORE}:round_trip", 2)
+    assert decoupled.bug == {">=0.16.0,<0.19.0": sc.ONE_SAVED_GROUP}
+    assert (changed.name, changed.func, changed.nproc) == ("changed_lr", f"{CORE}:changed_lr", 2)
+    assert changed.bug == {">=0.19.0,<=0.19.2": sc.NO_SAVED_GROUP}
 
 
-def test_unpatched_gives_two_groups_one_saved_group(worlds, mcore_version):
-    for rank, r in enumerate(worlds[False]):
+def _exact(rank, r):
+    assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+    loads = {k.split("/")[0] for k in r["max_delta"]}  # the ChainedOptimizer's, the DistributedOptimizer's alone
+    kinds = {k.split("/")[1] for k in r["max_delta"]}
+    assert (loads, kinds) == ({"chained", "alone"}, {"model", "main", "exp_avg", "exp_avg_sq"}), (loads, kinds)
+    assert set(r["max_delta"].values()) == {0.0}, {k: d for k, d in r["max_delta"].items() if d}
+
+
+def test_unpatched_gives_two_groups_one_saved_group_before_019(worlds, mcore_version):
+    results = _case(worlds, False, "decoupled_lr")
+    for rank, r in enumerate(results):
         assert r["fix_state"] == {MODULE: "disabled", DISTRIB: "disabled"}, (rank, r)
+        if not _before_019(mcore_version):  # 0.19 matches such groups by max_lr itself
+            _exact(rank, r)
+            continue
         assert (r["phase"], r["error"]) == (sc.ONE_SAVED_GROUP.phase, sc.ONE_SAVED_GROUP.error), (
             rank,
             r.get("traceback"),
         )
-    assert sc.SCENARIOS[0].bug_for(mcore_version).seen_in(worlds[False])
+    if _before_019(mcore_version):
+        assert sc.SCENARIOS[0].bug_for(mcore_version).seen_in(results)
+
+
+def test_unpatched_refuses_a_changed_learning_rate_from_019(worlds, mcore_version):
+    results = _case(worlds, False, "changed_lr")
+    for rank, r in enumerate(results):
+        if _before_019(mcore_version):  # the keys hold no learning rate: the release loads it
+            _exact(rank, r)
+            continue
+        assert (r["phase"], r["error"]) == (sc.NO_SAVED_GROUP.phase, sc.NO_SAVED_GROUP.error), (
+            rank,
+            r.get("traceback"),
+        )
+    if not _before_019(mcore_version):
+        assert sc.SCENARIOS[1].bug_for(mcore_version).seen_in(results)
+
+
+def test_patched_a_changed_learning_rate_loads_each_groups_own_state(worlds):
+    for rank, r in enumerate(_case(worlds, True, "changed_lr")):
+        assert r["fix_state"] == {MODULE: "applied", DISTRIB: "applied"}, (rank, r["fix_state"])
+        # The groups (weight decay on, off) come back with the saved bounds: the scheduler sets them.
+        assert [tuple(lrs) for lrs in r["lrs"]] == [(0.01, None), (0.01, None)], r["lrs"]
+        _exact(rank, r)
 
 
 def test_patched_every_group_resumes_with_its_own_learning_rates(worlds):
-    for rank, r in enumerate(worlds[True]):
-        assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
+    for rank, r in enumerate(_case(worlds, True, "decoupled_lr")):
         assert r["fix_state"] == {MODULE: "applied", DISTRIB: "applied"}, (rank, r["fix_state"])
         assert [tuple(lrs) for lrs in r["lrs"]] == [(0.01, 0.001), (0.03, 0.001), (0.01, 0.001)], r["lrs"]
-        loads = {k.split("/")[0] for k in r["max_delta"]}  # the ChainedOptimizer's, the DistributedOptimizer's alone
-        kinds = {k.split("/")[1] for k in r["max_delta"]}
-        assert (loads, kinds) == ({"chained", "alone"}, {"model", "main", "exp_avg", "exp_avg_sq"}), (loads, kinds)
-        assert set(r["max_delta"].values()) == {0.0}, {k: d for k, d in r["max_delta"].items() if d}
+        _exact(rank, r)
 
 
 def _group(max_lr, wd_mult=1.0, **extra):
@@ -61,9 +105,54 @@ def _group(max_lr, wd_mult=1.0, **extra):
             "max_lr": max_lr, "min_lr": 0.0, **extra}  # fmt: skip
 
 
+def _release_keys():
+    import megatron.core.optimizer.optimizer as m
+
+    return tuple(tuple.__iter__(m.param_group_identifier_keys))
+
+
+def test_keys_lose_the_learning_rate_bounds_only_where_they_changed(mcore_version):
+    """0.19: the release's keys hold max_lr and min_lr."""
+    if _before_019(mcore_version):
+        pytest.skip("before 0.19 the identifier keys hold no learning rate")
+    import mcore_ckpt_fixes  # noqa: F401  (applies the fix: the release's keys are recorded)
+    from mcore_ckpt_fixes.fixes.param_group_identity.runtime.core import _param_group_identifier_keys_for as keys
+
+    release = _release_keys()
+    assert {"max_lr", "min_lr"} <= set(release), release
+    without = tuple(k for k in release if k not in ("max_lr", "min_lr"))
+    saved = [_group(0.01), _group(0.01, wd_mult=0.0)]
+    assert keys(saved, saved) == release
+    assert keys([_group(0.02), _group(0.02, wd_mult=0.0)], saved) == without  # --lr changed
+    assert keys([_group(0.02, min_lr=0.1), _group(0.02, wd_mult=0.0, min_lr=0.1)], saved) == without
+    # Groups that differ only in max_lr (overrides) cannot be told apart without it: the release's keys.
+    alike = [_group(0.01), _group(0.03)]
+    assert keys([_group(0.02), _group(0.05)], alike) == release
+    assert keys(alike, alike) == release
+
+
+def test_a_changed_learning_rate_among_groups_alike_but_for_it_is_still_refused(mcore_version):
+    """0.19, groups alike but for max_lr (two overrides), one of them changed: no key tells which
+    saved group is whose, so the release's refusal stands."""
+    if _before_019(mcore_version):
+        pytest.skip("before 0.19 the identifier keys hold no learning rate")
+    import mcore_ckpt_fixes
+    import megatron.core.optimizer.optimizer as m
+
+    mcore_ckpt_fixes.apply()
+    current = [dict(_group(0.01), params=[0]), dict(_group(0.05), params=[1])]
+    saved = [dict(_group(0.01), params=[0]), dict(_group(0.03), params=[1])]
+    with pytest.raises(ValueError, match="Could not find parameter group"):
+        m.MegatronOptimizer._filter_and_reorder_param_groups(current, saved)
+    current = [dict(_group(0.02), params=[0]), dict(_group(0.02, wd_mult=0.0), params=[1])]
+    saved = [dict(_group(0.01), params=[0]), dict(_group(0.01, wd_mult=0.0), params=[1])]
+    out = m.MegatronOptimizer._filter_and_reorder_param_groups(current, saved)
+    assert [(g["max_lr"], g["wd_mult"], g["params"]) for g in out] == [(0.01, 1.0, [0]), (0.01, 0.0, [1])]
+
+
 def test_keys_only_grow_where_the_release_leaves_groups_alike(mcore_version):
-    if mcore_version not in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    if mcore_version not in FIX.specifiers or not _before_019(mcore_version):
+        pytest.skip("0.16-0.18: the identifier keys hold no override")
     import mcore_ckpt_fixes  # noqa: F401  (applies the fix: the release's keys are recorded)
     import megatron.core.optimizer.optimizer  # noqa: F401
     from mcore_ckpt_fixes.fixes.param_group_identity.runtime.core import _param_group_identifier_keys_for as keys
@@ -79,8 +168,8 @@ def test_keys_only_grow_where_the_release_leaves_groups_alike(mcore_version):
 
 
 def test_changed_override_keeps_the_release_matching_and_warns(mcore_version):
-    if mcore_version not in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
+    if mcore_version not in FIX.specifiers or not _before_019(mcore_version):
+        pytest.skip("0.16-0.18: the identifier keys hold no override")
     import mcore_ckpt_fixes
     import megatron.core.optimizer.optimizer as m
     from mcore_ckpt_fixes.engine.errors import MegatronPatchWarning
@@ -110,11 +199,12 @@ def test_chosen_keys_are_the_loading_context_s_only(mcore_version):
 
     mcore_ckpt_fixes.apply()
     assert m.param_group_identifier_keys is d.param_group_identifier_keys
+    release = _release_keys()
     seen = {}
     inside, done = threading.Event(), threading.Event()
 
     def loading():
-        with core._matching_by(BASE + ("max_lr",)):
+        with core._matching_by(release + ("chosen",)):
             seen["loading"] = tuple(m.param_group_identifier_keys)
             inside.set()
             done.wait(30)
@@ -125,8 +215,8 @@ def test_chosen_keys_are_the_loading_context_s_only(mcore_version):
     seen["other"] = tuple(d.param_group_identifier_keys)
     done.set()
     t.join(30)
-    assert seen == {"loading": BASE + ("max_lr",), "other": BASE}, seen
-    assert tuple(m.param_group_identifier_keys) == BASE
+    assert seen == {"loading": release + ("chosen",), "other": release}, seen
+    assert tuple(m.param_group_identifier_keys) == release
 
 
 def test_probe(mcore_version):

@@ -1,6 +1,7 @@
 """scheduler-override-group-lr: both halves on the affected CI lines (0.16.1 through
-dist_checkpointing; 0.17.1 and 0.18.2 also through megatron.training), one warm world each; 0.19
-matches saved groups by max_lr and refuses a changed --lr at load (catalogued apart).
+dist_checkpointing; 0.17.1, 0.18.2 and 0.19.2 also through megatron.training), one warm world each.
+0.19 loads a changed --lr only with param-group-identity, and only where the groups differ in more
+than their learning rates: there the round trip has no decoupled group.
 
 World 2 (gloo on CPU): the distributed optimizer with a decoupled group and Megatron's scheduler saved
 with --lr 0.01 --min-lr 0.001 --decoupled-lr 0.03, loaded with --lr 0.02 --min-lr 0.002
@@ -14,7 +15,7 @@ from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.scheduler_override_group_lr import FIX
 from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks import scenarios as sc
-from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core import NEW, OLD
+from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core import NEW, OLD, lrs
 from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core"
@@ -46,7 +47,7 @@ def test_unpatched_groups_keep_the_saved_schedule(worlds, mcore_version):
         assert r["fix_state"] == {MODULE: "disabled"}, (rank, r)
         assert (r["phase"], r["error"]) == (sc.OLD_SCHEDULE.phase, sc.OLD_SCHEDULE.error), (rank, r.get("traceback"))
         # Every group's max_lr is still a saved value, none the new one (silently: the load completed).
-        saved = {OLD["lr"], OLD["decoupled_lr"]}
+        saved = {OLD["lr"], OLD["decoupled_lr"]}  # (0.19 has no decoupled group here: checks/core.py's lrs)
         assert {r["groups"][k] for k in r["groups"] if k.endswith("/max_lr")} <= saved, r["groups"]
         for path in _paths(mcore_version):
             assert any(k.startswith(path) and d != 0.0 for k, d in r["max_delta"].items()), (path, r["max_delta"])
@@ -61,7 +62,7 @@ def test_patched_groups_follow_the_new_schedule(worlds, mcore_version):
         assert {p for p in _paths(mcore_version)} == {k.split("/")[0] + "/" for k in r["max_delta"]}, r["max_delta"]
         # The decoupled group keeps its own new value; the others take the new --lr.
         max_lrs = sorted(v for k, v in r["groups"].items() if k.endswith("/max_lr"))
-        assert set(max_lrs) == {NEW["lr"], NEW["decoupled_lr"]}, r["groups"]
+        assert set(max_lrs) == {v for v in (lrs(NEW)["lr"], lrs(NEW)["decoupled_lr"]) if v is not None}, r["groups"]
 
 
 def test_without_override_nothing_changes(mcore_version):

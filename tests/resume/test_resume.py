@@ -244,6 +244,29 @@ STRICT_ALL_MISSING = (
 
 
 def _assert_ways_without_the_fixes(cfg, out):
+    if cfg.name == "dense-dp2-new-lr-checkpoint-scheduler":
+        _assert_new_lr_refused_from_019(cfg, out)
+        return
+    _assert_strictness_values_without_the_fixes(cfg, out)
+
+
+def _assert_new_lr_refused_from_019(cfg, out):
+    """A new --lr / --min-lr with --use-checkpoint-opt-param-scheduler, every fix off: 0.17 and 0.18
+    match the saved param groups without their learning rates and go on with the checkpoint's schedule,
+    exactly; 0.19 matches them by max_lr / min_lr and every rank stops in load_checkpoint (fix
+    param-group-identity; catalogued as lr-change-resume-group-mismatch)."""
+    ((args, way),) = _each_way(cfg, out["off"])
+    if megatron_version().release < (0, 19):
+        assert way["verdict"] == "exact", resume_fail_text(way)
+        assert out["needed_here"] == [], out["needed_here"]
+        return
+    assert out["needed_here"] == ["param-group-identity"], out["needed_here"]
+    assert way["verdict"] == "error", resume_fail_text(way)
+    assert way["errors"] == [[rank, NEW_LR_GROUPS] for rank in range(cfg.world)], way["errors"]
+    assert "load_checkpoint" in way["detail"], way["detail"][-2000:]
+
+
+def _assert_strictness_values_without_the_fixes(cfg, out):
     """Every --dist-ckpt-strictness value that hands load_checkpoint the loaded state, every fix off.
     On 0.18+ the release writes the rerun machine's idle entry and load_checkpoint leaves it out of
     its request: raise_all stops every rank on it (rerun-state-strict-load's bug), log_all only logs
@@ -276,8 +299,6 @@ def _release_error(args):
     """The error every rank of the release's own resume stops with under these options, or None."""
     if args[:1] == ("--dist-ckpt-strictness",):
         return RETURNED_TUPLE
-    if "--use-checkpoint-opt-param-scheduler" in args and "--lr" in args and megatron_version().release >= (0, 19):
-        return NEW_LR_GROUPS
     return None
 
 

@@ -1,10 +1,10 @@
 """scheduler-override-group-lr: ``--override-opt-param-scheduler`` overrides the learning rates of
 every parameter group, not only the scheduler's own.
 
-Affected: Megatron-Core 0.12.0 - 0.18.x (NVIDIA/Megatron-LM#1138, #1284, #7173; upstream main fixes
+Affected: Megatron-Core 0.12.0 - 0.19.2 (NVIDIA/Megatron-LM#1138, #1284, #7173; upstream main fixes
 it in megatron.training's load_checkpoint from the arguments, #3720, which sets every group but the
-decoupled one to ``--lr``). From 0.19 Megatron's optimizers match saved param groups by their
-max_lr / min_lr, so a load with a changed ``--lr`` stops instead (catalogued apart, not this fix).
+decoupled one to ``--lr``). On 0.19 the load with a changed ``--lr`` stops before the scheduler's
+state is read, unless param-group-identity matches the groups; then this is what follows.
 
 Failure prevented: each parameter group carries its own ``max_lr`` / ``min_lr`` (``--lr`` /
 ``--min-lr``, the decoupled group's ``--decoupled-lr``, a group override's), and the scheduler
@@ -32,7 +32,7 @@ CLASS = "OptimizerParamScheduler"
 FIX = Fix(
     id=ID,
     summary="--override-opt-param-scheduler gives every parameter group the run's own max_lr/min_lr back after a load",
-    affected=">=0.12.0,<0.19",
+    affected=">=0.12.0,<=0.19.2",
     upstream=(
         "NVIDIA/Megatron-LM#1138, #1284, #7173: --override-opt-param-scheduler does not change the "
         "learning rate of the param groups restored from the checkpoint",

@@ -29,6 +29,8 @@ from .. import DISTRIB_MODULE, ID, MODULE
 STEPS = 2
 SOURCE_SEED, TARGET_SEED = 1234, 98765
 DECOUPLED_LR = 3e-2  # the default groups' max_lr is the optimizer's lr, 1e-2
+# A resumed run's changed --lr / --min-lr (changed_lr): the saved run's are 1e-2 and 0.
+NEW_LRS = {"lr": 2e-2, "min_lr": 2e-3}
 
 
 def _request(model, opt, is_loading):
@@ -54,9 +56,9 @@ def _save_and_load(source, source_opt, target, target_opt, path):
     target_opt.load_state_dict(loaded["optimizer"])
 
 
-def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+def _decoupled_lr(ckpt_dir, patched):
     rt = RoundTrip(case="decoupled_lr", sharding_type="dp_reshardable", steps=None)
-    with world(), rt.running(), optimizer_path(apex=True):
+    with rt.running(), optimizer_path(apex=True):
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE, DISTRIB_MODULE), patched)
         rt.phase("save")
@@ -86,3 +88,60 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt.compare(saved, local_state(target, target_opt), prefix="chained/")
         rt.compare(saved, local_state(alone, alone_opt), prefix="alone/")
     return rt.result
+
+
+def _changed_lr(ckpt_dir, patched):
+    """The source saved with --lr 1e-2; the targets are built with --lr 2e-2 --min-lr 2e-3 (as a
+    resumed run whose learning rate changed): each of its groups (weight decay on, off) must take its
+    own saved group, whose state comes back exact; which learning rate the groups then follow is the
+    scheduler's to set (``--override-opt-param-scheduler``: the new one, scheduler-override-group-lr;
+    ``--use-checkpoint-opt-param-scheduler``: the saved one), so after the load they hold the saved
+    group's, as they always did. From 0.19 the release refuses such a load (``KeyError``, phase ``load``)."""
+    rt = RoundTrip(case="changed_lr", sharding_type="dp_reshardable", steps=None)
+    with rt.running(), optimizer_path(apex=True):
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE, DISTRIB_MODULE), patched)
+        rt.phase("save")
+        model, opt = build(SOURCE_SEED)
+        saved_lrs = _lrs(opt)
+        for i in range(STEPS):
+            step(model, opt, i)
+        saved = local_state(model, opt)
+        rt["lrs"] = saved_lrs
+        rt.phase("load")
+        target, target_opt = build(TARGET_SEED, lrs=NEW_LRS)
+        assert _lrs(target_opt) != saved_lrs, _lrs(target_opt)
+        _save_and_load(model, opt, target, target_opt, os.path.join(ckpt_dir, "changed_lr_chained"))
+        alone, alone_opt = build(TARGET_SEED, lrs=NEW_LRS)
+        (source_inner,), (alone_inner,) = distributed(opt), distributed(alone_opt)
+        _save_and_load(model, source_inner, alone, alone_inner, os.path.join(ckpt_dir, "changed_lr_alone"))
+        rt.phase("groups")
+        wrong = [
+            f"{how} {_lrs(o)}" for how, o in (("chained", target_opt), ("alone", alone_opt)) if _lrs(o) != saved_lrs
+        ]
+        if wrong:
+            raise AssertionError(
+                f"param groups' (max_lr, min_lr) after the load, saved {saved_lrs}: {'; '.join(wrong)}"
+            )
+        rt.compare(saved, local_state(target, target_opt), prefix="chained/")
+        rt.compare(saved, local_state(alone, alone_opt), prefix="alone/")
+    return rt.result
+
+
+CASES = {"decoupled_lr": _decoupled_lr, "changed_lr": _changed_lr}
+
+
+def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
+    """Every case in one world: ``{case: result}``."""
+    with world():
+        return {name: case(os.path.join(ckpt_dir, name), patched) for name, case in CASES.items()}
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    with world():
+        return _decoupled_lr(ckpt_dir, patched)
+
+
+def changed_lr(rank, world_size, ckpt_dir, patched, device="cpu"):
+    with world():
+        return _changed_lr(ckpt_dir, patched)

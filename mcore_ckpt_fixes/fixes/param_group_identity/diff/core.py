@@ -41,7 +41,29 @@ def _helper() -> str:
     return "\n\n" + replacement_section(core).rstrip("\n") + "\n"
 
 
+# 0.19: the keys are a multi-line tuple (every ParamGroupOverride key, then the structural flags),
+# distrib_optimizer imports names from .optimizer in a parenthesised list.
+_KEYS_END_019 = "    'is_decoupled_lr',\n)\n"
+_FILTER_START_019 = "        def _identifier_for(group: dict) -> tuple:\n"
+_FILTER_LOOP_019 = "            for key in param_group_identifier_keys:\n"
+_IMPORT_OLD_019 = "from .optimizer import (\n    MixedPrecisionOptimizer,\n"
+_IMPORT_NEW_019 = "from .optimizer import (\n    MixedPrecisionOptimizer,\n    _param_group_identifier_keys_for,\n"
+
+
+def _source_edits_019() -> list:
+    return [
+        insert_after(OPTIMIZER, _KEYS_END_019, _helper()),
+        insert_before(OPTIMIZER, _FILTER_START_019, _FILTER_KEYS + "\n"),
+        Replace(OPTIMIZER, _FILTER_LOOP_019, "            for key in identifier_keys:\n"),
+        Replace(DISTRIB, _IMPORT_OLD_019, _IMPORT_NEW_019),
+        insert_before(DISTRIB, "        def make_needed_groups(param_group):\n", _LOAD_KEYS),
+        Replace(DISTRIB, _FILTER_LOOP_019, "            for key in identifier_keys:\n"),
+    ]
+
+
 def source_edits(release: str) -> list:
+    if release.startswith("0.19."):
+        return _source_edits_019()
     return [
         insert_after(OPTIMIZER, _KEYS_LINE, _helper()),
         insert_before(OPTIMIZER, _FILTER_START, _FILTER_KEYS),

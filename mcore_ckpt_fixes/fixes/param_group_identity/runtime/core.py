@@ -75,29 +75,39 @@ param_group_identifier_keys = _ReleaseKeys()
 # What a parameter-group override may set (ParamGroupOverride): two groups alike by
 # param_group_identifier_keys may still differ in these.
 _PARAM_GROUP_OVERRIDE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd", "optimizer")
+# The learning-rate bounds a group takes from the run's arguments (--lr, --min-lr, --decoupled-lr),
+# which a resumed run may change: where they are identifier keys, a changed one finds no saved group.
+_RUN_LEARNING_RATE_KEYS = ("max_lr", "min_lr")
 
 
 def _param_group_identifier_keys_for(current_groups, saved_groups):
-    """The keys that match current parameter groups to saved ones: param_group_identifier_keys, and
-    where those leave two groups alike (a group with its own max_lr would take another group's
-    saved one), also the override keys every group carries, if then every current group has
-    exactly one saved group. Otherwise (an override changed since the save) the first ones."""
+    """The keys that match current parameter groups to saved ones: param_group_identifier_keys,
+    where they give every current group exactly one saved group. Where those leave two groups alike
+    (a group with its own max_lr would take another group's saved one), also the override keys every
+    group carries; where a group's learning-rate bounds are keys and changed since the save (no saved
+    group has them), the keys without them. Either only if it then gives every current group exactly
+    one saved group; otherwise the first ones (the load refuses, or matches as it always did)."""
     base = tuple(param_group_identifier_keys)
 
     def identities(groups, keys):
         return [tuple(g[k] if k in g else g.get(f"pre_{k}") for k in keys) for g in groups]
 
+    def one_each(keys):
+        current, saved = identities(current_groups, keys), identities(saved_groups, keys)
+        return len(set(current)) == len(current) and len(set(saved)) == len(saved) and set(current) <= set(saved)
+
     def distinct(ids):
         return len(set(ids)) == len(ids)
 
     if distinct(identities(current_groups, base)) and distinct(identities(saved_groups, base)):
+        without_lrs = tuple(k for k in base if k not in _RUN_LEARNING_RATE_KEYS)
+        if not one_each(base) and without_lrs != base and one_each(without_lrs):
+            return without_lrs
         return base
     every_group = list(current_groups) + list(saved_groups)
     extra = tuple(k for k in _PARAM_GROUP_OVERRIDE_KEYS if k not in base and all(k in g for g in every_group))
-    keys = base + extra
-    current, saved = identities(current_groups, keys), identities(saved_groups, keys)
-    if distinct(current) and distinct(saved) and set(current) <= set(saved):
-        return keys
+    if one_each(base + extra):
+        return base + extra
     return base
 
 
@@ -171,24 +181,42 @@ def _release_filter(cls):
     return fn.__func__ if isinstance(fn, staticmethod) else fn
 
 
-def gives_alike_groups_one_saved_group(module) -> bool:
-    def group(params, max_lr):
-        return {"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
-                "is_decoupled_lr": False, "max_lr": max_lr, "min_lr": 0.0}  # fmt: skip
+def _group(params, max_lr, min_lr=0.0, wd_mult=1.0):
+    return {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
+            "is_decoupled_lr": False, "max_lr": max_lr, "min_lr": min_lr}  # fmt: skip
 
-    current = [group([0], 1.0), group([1], 3.0)]
-    saved = [group([0], 1.0), group([1], 3.0)]
+
+def gives_alike_groups_one_saved_group(module) -> bool:
+    current = [_group([0], 1.0), _group([1], 3.0)]
+    saved = [_group([0], 1.0), _group([1], 3.0)]
     out = _release_filter(module.MegatronOptimizer)(current, saved)
     return [g["max_lr"] for g in out] != [1.0, 3.0]
+
+
+def refuses_a_changed_learning_rate(module) -> bool:
+    """A run resumed with another --lr / --min-lr: its groups (weight decay on and off) carry the new
+    bounds, the checkpoint's the old ones. Does the release find no saved group for them?"""
+    current = [_group([0], 2.0, 0.2), _group([1], 2.0, 0.2, wd_mult=0.0)]
+    saved = [_group([0], 1.0, 0.1), _group([1], 1.0, 0.1, wd_mult=0.0)]
+    try:
+        _release_filter(module.MegatronOptimizer)(current, saved)
+    except (KeyError, ValueError):
+        return True
+    return False
 
 
 def probe(module: types.ModuleType):
     cls = module.__dict__.get("MegatronOptimizer")
     if cls is None or "_filter_and_reorder_param_groups" not in cls.__dict__ or GLOBAL not in vars(module):
         return None, f"{MODULE} matches no saved parameter groups by identifier keys"
-    if not gives_alike_groups_one_saved_group(module):
-        return False, "parameter groups that differ only in max_lr each take their own saved group"
-    return True, "parameter groups that differ only in max_lr take one saved group on load (the other's max_lr)"
+    if gives_alike_groups_one_saved_group(module):
+        return True, "parameter groups that differ only in max_lr take one saved group on load (the other's max_lr)"
+    if refuses_a_changed_learning_rate(module):
+        return True, (
+            "a parameter group whose learning rate changed since the save (--lr, --min-lr) finds no saved "
+            "group: the load stops"
+        )
+    return False, "each parameter group takes its own saved group, also with a changed learning rate"
 
 
 def _keys_object(module):

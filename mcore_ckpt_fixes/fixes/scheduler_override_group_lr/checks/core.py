@@ -43,18 +43,36 @@ def prepare() -> None:
     training_checkpointing()  # imported in the parent where the release ships it
 
 
-def changed_lr_loads():
-    """None where Megatron's optimizers load param groups saved with another learning rate, else why
-    the scenario cannot run here (0.19 matches saved groups by max_lr / min_lr: the load stops, as
-    catalogued in lr-change-resume-group-mismatch)."""
+def groups_told_apart_by_learning_rate() -> bool:
+    """0.19 matches saved param groups by max_lr / min_lr: there the decoupled group is alike the
+    default one but for them, and after a change of both learning rates no key tells which saved
+    group is whose (the load stops, fixes or not: param-group-identity matches a changed learning
+    rate only where the groups differ otherwise). The round trip then keeps one learning rate."""
     from megatron.core.optimizer import optimizer
 
-    if "max_lr" in getattr(optimizer, "param_group_identifier_keys", ()):
-        return (
-            "this release's optimizers match saved param groups by max_lr / min_lr: a load with a changed "
-            "--lr stops before the scheduler (known bug lr-change-resume-group-mismatch)"
-        )
-    return None
+    return "max_lr" in tuple(tuple.__iter__(getattr(optimizer, "param_group_identifier_keys", ())))
+
+
+def lrs(which):
+    """``OLD`` or ``NEW``, without the decoupled group where groups are told apart by learning rate."""
+    return {**which, "decoupled_lr": None} if groups_told_apart_by_learning_rate() else dict(which)
+
+
+def changed_lr_loads():
+    """None where Megatron's optimizers load param groups saved with another learning rate, else why
+    the scenario cannot run here (0.19 with param-group-identity off: the load stops, as catalogued
+    in lr-change-resume-group-mismatch)."""
+    import mcore_ckpt_fixes
+
+    if not groups_told_apart_by_learning_rate():
+        return None
+    state = next(r for r in mcore_ckpt_fixes.report() if r["id"] == "param-group-identity")["state"]
+    if state in ("applied", "already-applied"):
+        return None
+    return (
+        "this release's optimizers match saved param groups by max_lr / min_lr and param-group-identity is "
+        f"{state}: a load with a changed --lr stops before the scheduler (known bug lr-change-resume-group-mismatch)"
+    )
 
 
 def _optimizer(model, lrs):
@@ -95,8 +113,8 @@ def _through_dist_checkpointing(rt, ckpt_dir):
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     model = dopt.build_model(1)
-    opt = _optimizer(model, OLD)
-    sched = _scheduler(opt, OLD, override=False)
+    opt = _optimizer(model, lrs(OLD))
+    sched = _scheduler(opt, lrs(OLD), override=False)
     for i in range(STEPS):
         dopt.step(model, opt, i)
         sched.step(increment=1)
@@ -104,13 +122,13 @@ def _through_dist_checkpointing(rt, ckpt_dir):
     dist_checkpointing.save({**state, "opt_param_scheduler": sched.state_dict()}, path)
     rt.phase("load")
     model = dopt.build_model(2)
-    opt = _optimizer(model, NEW)
-    sched = _scheduler(opt, NEW, override=True)
+    opt = _optimizer(model, lrs(NEW))
+    sched = _scheduler(opt, lrs(NEW), override=True)
     loaded = dist_checkpointing.load(dopt.request(model, opt, "dp_reshardable", True), path)
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(dist_checkpointing.load_common_state_dict(path)["opt_param_scheduler"])
-    reference = _optimizer(dopt.build_model(3), NEW)
-    _scheduler(reference, NEW, override=True).step(increment=STEPS)
+    reference = _optimizer(dopt.build_model(3), lrs(NEW))
+    _scheduler(reference, lrs(NEW), override=True).step(increment=STEPS)
     rt["groups"] = {k: float(v) for k, v in groups(opt).items()}
     rt.compare(groups(reference), groups(opt), prefix="dist/")
 
@@ -121,7 +139,7 @@ def _through_megatron_training(rt, training, ckpt_dir):
     from ....testing import gpt_job as job
     from ....testing.job_config import Config
 
-    cfg = Config("dense-dp2", "dense GPT, DP=2", world=2, decoupled_lr=OLD["decoupled_lr"])
+    cfg = Config("dense-dp2", "dense GPT, DP=2", world=2, decoupled_lr=lrs(OLD)["decoupled_lr"])
     with job.worker(cfg, "cpu") as cpu_gen:
         args = job._args(cfg, os.path.join(ckpt_dir, "training"), 10)
         mpu.initialize_model_parallel()
@@ -132,7 +150,8 @@ def _through_megatron_training(rt, training, ckpt_dir):
         training.save_checkpoint(STEPS, [model], optimizer, scheduler, 0)
         dist.barrier()
         rt.phase("load")
-        args.lr, args.min_lr, args.decoupled_lr = NEW["lr"], NEW["min_lr"], NEW["decoupled_lr"]
+        new = lrs(NEW)
+        args.lr, args.min_lr, args.decoupled_lr = new["lr"], new["min_lr"], new["decoupled_lr"]
         args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler = True, False
         model, optimizer, scheduler = job._build(args, cfg)
         training.load_checkpoint([model], optimizer, scheduler)
