@@ -6,18 +6,29 @@ distributed optimizer; on a CPU host without Transformer Engine or Apex Megatron
 unless :func:`mcore_ckpt_fixes.testing._fused_adam.optimizer_path` says otherwise), real optimizer
 steps on deterministic gradients (filled into DDP's gradient buffer as a reduce would leave them, the
 same on every rank, so that no forward pass is needed). ``device="cuda"`` tensors Megatron's optimizer
-allocates are made on the CPU (``cuda_to_cpu_mode``) in :func:`world`.
+allocates are made on the CPU (``cuda_to_cpu_mode``) in :func:`world` on a host without CUDA; a world
+started with ``world(device="cuda")`` puts the models on the rank's GPU instead (no shims: Megatron's
+real CUDA calls), and the results say where they ran (``device``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import zlib
 from dataclasses import dataclass
 
 import torch
 
 SOURCE_SEED = 1234
+
+# Where the models of the world running in this context live: "cpu" or "cuda" (:func:`world`).
+_DEVICE = contextvars.ContextVar("mcore_ckpt_fixes_testing_device", default="cpu")
+
+
+def device():
+    """The torch device this world's models live on (the rank's GPU in a ``cuda`` world)."""
+    return torch.device("cuda", torch.cuda.current_device()) if _DEVICE.get() == "cuda" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,8 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
+    if _DEVICE.get() == "cuda":
+        gpt.cuda(torch.cuda.current_device())
     if shape.shared_embedding:
         # What Megatron marks on the first pipeline stage's word embedding when it is tied to the
         # last stage's output layer (LanguageModule.setup_embeddings_and_output_layer, PP > 1): DDP
@@ -83,7 +96,11 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
     )
     # Float16Module: every parameter in bf16, as Megatron's training wraps a bf16 model (torch's
     # LayerNorm, the fallback without Apex, would otherwise keep fp32 parameters beside bf16 ones).
-    return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if bf16 else gpt)
+    # A CUDA world must not quietly test CPU tensors.
+    elsewhere = sorted(n for n, p in model.named_parameters() if p.device.type != device().type)
+    assert not elsewhere, f"parameters not on {device()}: {elsewhere}"
+    return model
 
 
 def optimizer_config(bf16=True, decoupled_lr=None, **extra):
@@ -158,19 +175,23 @@ def local_state(model, opt):
 
 
 @contextlib.contextmanager
-def world(**parallel):
+def world(device="cpu", **parallel):
     """Megatron's process groups (``parallel``: initialize_model_parallel's sizes; none: one
-    data-parallel group of every rank) and, on a CPU host, its CUDA calls on the CPU; the groups
-    are destroyed after, whatever happened."""
+    data-parallel group of every rank), the models on ``device`` ("cpu" or "cuda") and, on a CPU
+    host, Megatron's CUDA calls on the CPU; the groups are destroyed after, whatever happened."""
     from megatron.core import parallel_state as mpu
 
     from ._cpu_shims import cuda_to_cpu_mode
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     mpu.initialize_model_parallel(**parallel)
+    token = _DEVICE.set(device)
     try:
         with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
             yield
     finally:
+        _DEVICE.reset(token)
         with contextlib.suppress(Exception):
             mpu.destroy_model_parallel()
 
@@ -191,23 +212,28 @@ def full_state(model, opt):
             local = {"main": main, **{k: v for k, v in d.optimizer.state[main].items() if k != "step"}}
             span = d._get_model_param_range_map(p)["param"]
             for kind, value in local.items():
-                whole = torch.zeros(p.numel(), dtype=torch.float32)
+                whole = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                 whole[span.start : span.end] = value.detach().float().view(-1)
                 out[f"{kind}/{name}"] = whole
         for kind in ("main", "exp_avg", "exp_avg_sq"):
-            out.setdefault(f"{kind}/{name}", torch.zeros(p.numel(), dtype=torch.float32))
+            out.setdefault(f"{kind}/{name}", torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
     for key in sorted(out):
         dist.all_reduce(out[key])
     return out
 
 
-def run_cases(run_case, names, ckpt_dir, patched):
-    """Several cases of a fix's round trips in one world: ``{case: run_case(case, ckpt_dir, patched,
-    cache)}``, the cases sharing the source saves ``run_case`` keeps in ``cache``."""
+def placed(result):
+    """A round trip's result with the device this world's models lived on (``device``)."""
+    return {**result, "device": str(device())}
+
+
+def run_cases(run_case, names, ckpt_dir, patched, device="cpu"):
+    """Several cases of a fix's round trips in one world on ``device``: ``{case: run_case(case,
+    ckpt_dir, patched, cache)}``, the cases sharing the source saves ``run_case`` keeps in ``cache``."""
     cache, out = {}, {}
-    with world():
+    with world(device):
         for name in names:
-            out[name] = run_case(name, ckpt_dir, patched, cache)
+            out[name] = placed(run_case(name, ckpt_dir, patched, cache))
     return out
 
 
@@ -216,8 +242,8 @@ def one_case(run_case, name):
     in ``run_case``'s module, so that ``"module:name"`` finds it and spawned ranks unpickle it."""
 
     def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
-        with world():
-            return run_case(name, ckpt_dir, patched)
+        with world(device):
+            return placed(run_case(name, ckpt_dir, patched))
 
     scenario.__name__ = scenario.__qualname__ = name
     scenario.__module__ = run_case.__module__

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import Shape, build, full_state, request, step, world
+from ....testing.dist_optimizer import Shape, build, full_state, placed, request, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -207,14 +207,14 @@ def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world, in ``CASES`` order (``past_unpadded_end`` last: without the fix
     it ends the world): ``{case: result}``."""
     names = [n for n in CASES if n in (names or CASES)]
-    with world():
-        return {name: run_case(name, ckpt_dir, patched) for name in names}
+    with world(device):
+        return {name: placed(run_case(name, ckpt_dir, patched)) for name in names}
 
 
 def _one(name):
     def scenario(rank, world_size, ckpt_dir, patched, device="cpu"):
-        with world():
-            return run_case(name, ckpt_dir, patched)
+        with world(device):
+            return placed(run_case(name, ckpt_dir, patched))
 
     scenario.__name__ = scenario.__qualname__ = name
     return scenario

@@ -114,7 +114,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world (one source save per gathering mode): ``{case: result}``."""
-    return run_cases(run_case, names or CASES, ckpt_dir, patched)
+    return run_cases(run_case, names or CASES, ckpt_dir, patched, device)
 
 
 buckets = one_case(run_case, "buckets")

@@ -20,7 +20,7 @@ import os
 import torch.distributed as dist
 
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, distributed, local_state, step, world
+from ....testing.dist_optimizer import build, distributed, local_state, placed, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -133,15 +133,15 @@ CASES = {"decoupled_lr": _decoupled_lr, "changed_lr": _changed_lr}
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
     """Every case in one world: ``{case: result}``."""
-    with world():
-        return {name: case(os.path.join(ckpt_dir, name), patched) for name, case in CASES.items()}
+    with world(device):
+        return {name: placed(case(os.path.join(ckpt_dir, name), patched)) for name, case in CASES.items()}
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
-    with world():
-        return _decoupled_lr(ckpt_dir, patched)
+    with world(device):
+        return placed(_decoupled_lr(ckpt_dir, patched))
 
 
 def changed_lr(rank, world_size, ckpt_dir, patched, device="cpu"):
-    with world():
-        return _changed_lr(ckpt_dir, patched)
+    with world(device):
+        return placed(_changed_lr(ckpt_dir, patched))

@@ -30,7 +30,6 @@ SCENARIOS = (
         2,
         {">=0.16.0,<0.19.0": ONE_SAVED_GROUP},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="distributed optimizer with --decoupled-lr's parameter groups, saved and loaded (dp_reshardable)",
     ),
     Scenario(
@@ -40,7 +39,6 @@ SCENARIOS = (
         2,
         {">=0.19.0,<=0.19.2": NO_SAVED_GROUP},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="distributed optimizer saved with --lr 0.01, loaded into one built with --lr 0.02 --min-lr 0.002",
     ),
 )
