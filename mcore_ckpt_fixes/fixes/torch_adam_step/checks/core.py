@@ -68,7 +68,13 @@ def dp_reshardable_keeps_step():
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    source = inspect.getsource(DistributedOptimizer.sharded_param_state_dp_reshardable)
+    from ....engine.patching import is_replacement, original
+
+    # The release's method, not a fix's layer over it (dp-reshardable-padding replaces it).
+    method = DistributedOptimizer.__dict__["sharded_param_state_dp_reshardable"]
+    if is_replacement(method):
+        method = original(DistributedOptimizer, "sharded_param_state_dp_reshardable")
+    source = inspect.getsource(method)
     if "'step'" in source or '"step"' in source:
         return None
     return "this release's dp_reshardable has no branch for torch Adam's 0-dim per-parameter step"
