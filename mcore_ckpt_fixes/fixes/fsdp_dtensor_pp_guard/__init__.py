@@ -17,6 +17,11 @@ is); 0.17 and 0.18 read them with the tensors, so there the refusal comes once t
 them, before ``load_checkpoint`` returns (training never starts on the wrong layers). No byte is read
 that the release does not read. ``--use-checkpoint-args`` (the run takes the checkpoint's layout) and
 every other format are left alone.
+
+Megatron-Bridge (runtime/bridge.py, up to 0.6.2): its own fsdp_dtensor save and load keep the same
+stage-local names; the guard refuses in ``_load_checkpoint_from_path`` as soon as the release has read
+the checkpoint's ``run_config.yaml`` (before the DCP metadata or any tensor), comparing the model
+config's pipeline layout fields.
 """
 
 from __future__ import annotations
@@ -36,5 +41,17 @@ FIX = Fix(
     # (fsdp_dtensor exists from 0.14.0) is decided by the probe.
     affected=">=0.17.0,<=0.19.2",
     upstream=("NVIDIA/Megatron-LM#7452 (item 12; open): fsdp_dtensor keys use stage-local layer numbers",),
-    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
+    targets=(
+        Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),
+        # Megatron-Bridge's own fsdp_dtensor save and load (the same stage-local keys; its load reads
+        # the checkpoint's run_config.yaml first and compares (TP, PP) only for the RNG state).
+        Target(
+            "megatron.bridge.training.checkpointing",
+            f"{__name__}.runtime.bridge:probe",
+            f"{__name__}.runtime.bridge:apply",
+            alias_sites=("megatron.bridge.training.setup",),
+            package="megatron-bridge",
+            affected="<=0.6.2",
+        ),
+    ),
 )
