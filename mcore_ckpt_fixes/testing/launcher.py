@@ -67,8 +67,17 @@ def run_world(
 ) -> List[RankResult]:
     """Run ``scenario`` ("package.module:function") on ``nproc`` ranks.
 
-    ``env`` is applied in every rank before anything runs there (fix flags go here).
+    ``env`` is applied in every rank before anything runs there (fix flags go here). A world whose
+    rendezvous port another process took between :func:`free_port` and rank 0's bind (``EADDRINUSE``:
+    nothing of the scenario ran) is started once more on another port.
     """
+    results = _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env)
+    if any(not r.ok and r.error and "EADDRINUSE" in r.error for r in results):
+        results = _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env)
+    return results
+
+
+def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> List[RankResult]:
     method = method or ("spawn" if backend == "nccl" else "fork")
     if method == "fork" and sys.platform == "win32":
         method = "spawn"

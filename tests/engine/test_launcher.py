@@ -59,3 +59,25 @@ def test_spawn_method_works_too():
         )
     )
     assert {r["sum"] for r in res} == {1.0}
+
+
+def test_a_taken_rendezvous_port_starts_the_world_again(monkeypatch):
+    """Another process holds the port free_port() handed out (rank 0 cannot listen: EADDRINUSE; rank
+    1 waits on the stranger's socket until the deadline): the world starts once more on another
+    port, and its results are the scenario's."""
+    import socket
+
+    from mcore_ckpt_fixes.testing import launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = [taken.getsockname()[1]]
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: ports.pop(0) if ports else real())
+    try:
+        res = values(run_world("world_scenarios:allreduce_rank", 2, timeout=15))
+    finally:
+        taken.close()
+    assert not ports, "the taken port was never handed out"
+    assert res == values(run_world("world_scenarios:allreduce_rank", 2, timeout=60))
