@@ -20,7 +20,7 @@ import os
 import torch.distributed as dist
 
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, distributed, local_state, placed, step, world
+from ....testing.dist_optimizer import build, distributed, local_state, placed, request, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -31,12 +31,6 @@ SOURCE_SEED, TARGET_SEED = 1234, 98765
 DECOUPLED_LR = 3e-2  # the default groups' max_lr is the optimizer's lr, 1e-2
 # A resumed run's changed --lr / --min-lr (changed_lr): the saved run's are 1e-2 and 0.
 NEW_LRS = {"lr": 2e-2, "min_lr": 2e-3}
-
-
-def _request(model, opt, is_loading):
-    model_sd = model.module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
 def _lrs(opt):
@@ -50,31 +44,35 @@ def _save_and_load(source, source_opt, target, target_opt, path):
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_request(source, source_opt, False), path)
-    loaded = dist_checkpointing.load(_request(target, target_opt, True), path)
+    dist_checkpointing.save(request(source, source_opt, "dp_reshardable", False), path)
+    loaded = dist_checkpointing.load(request(target, target_opt, "dp_reshardable", True), path)
     target.module.load_state_dict(loaded["model"])
     target_opt.load_state_dict(loaded["optimizer"])
 
 
-def _decoupled_lr(ckpt_dir, patched):
-    rt = RoundTrip(case="decoupled_lr", sharding_type="dp_reshardable", steps=None)
+def _round_trip(case, ckpt_dir, patched, source, target, precondition):
+    """The source (``build`` with ``source``'s arguments) takes ``STEPS`` steps and saves; targets
+    built with ``target``'s arguments load it through the ChainedOptimizer (what load_checkpoint
+    loads) and through its DistributedOptimizer on its own (as Megatron-FSDP's setup returns it).
+    Every group's (max_lr, min_lr) after both loads must be the source's (phase ``groups``), the
+    main parameters and moments what was saved. ``precondition(saved, target)``: asserts on both
+    sides' (max_lr, min_lr) what the case is about."""
+    rt = RoundTrip(case=case, sharding_type="dp_reshardable", steps=None)
     with rt.running(), optimizer_path(apex=True):
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE, DISTRIB_MODULE), patched)
         rt.phase("save")
-        model, opt = build(SOURCE_SEED, decoupled_lr=DECOUPLED_LR)
+        model, opt = build(SOURCE_SEED, **source)
         saved_lrs = _lrs(opt)
-        assert DECOUPLED_LR in {m for m, _ in saved_lrs}, saved_lrs
         for i in range(STEPS):
             step(model, opt, i)
         saved = local_state(model, opt)
         rt["lrs"] = saved_lrs
         rt.phase("load")
-        # What load_checkpoint loads (get_megatron_optimizer's ChainedOptimizer), and the
-        # DistributedOptimizer on its own (as Megatron-FSDP's setup returns it).
-        target, target_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
-        _save_and_load(model, opt, target, target_opt, os.path.join(ckpt_dir, "chained"))
-        alone, alone_opt = build(TARGET_SEED, decoupled_lr=DECOUPLED_LR)
+        target_model, target_opt = build(TARGET_SEED, **target)
+        precondition(saved_lrs, _lrs(target_opt))
+        _save_and_load(model, opt, target_model, target_opt, os.path.join(ckpt_dir, "chained"))
+        alone, alone_opt = build(TARGET_SEED, **target)
         (source_inner,), (alone_inner,) = distributed(opt), distributed(alone_opt)
         _save_and_load(model, source_inner, alone, alone_inner, os.path.join(ckpt_dir, "alone"))
         rt.phase("groups")
@@ -85,9 +83,23 @@ def _decoupled_lr(ckpt_dir, patched):
             raise AssertionError(
                 f"param groups' (max_lr, min_lr) after the load, saved {saved_lrs}: {'; '.join(wrong)}"
             )
-        rt.compare(saved, local_state(target, target_opt), prefix="chained/")
+        rt.compare(saved, local_state(target_model, target_opt), prefix="chained/")
         rt.compare(saved, local_state(alone, alone_opt), prefix="alone/")
     return rt.result
+
+
+def _has_decoupled_group(saved, target):
+    assert DECOUPLED_LR in {m for m, _ in saved}, saved
+
+
+def _learning_rate_changed(saved, target):
+    assert target != saved, target
+
+
+def _decoupled_lr(ckpt_dir, patched):
+    """Groups alike but for max_lr (--decoupled-lr), the same learning rates on both sides."""
+    decoupled = {"decoupled_lr": DECOUPLED_LR}
+    return _round_trip("decoupled_lr", ckpt_dir, patched, decoupled, decoupled, _has_decoupled_group)
 
 
 def _changed_lr(ckpt_dir, patched):
@@ -97,35 +109,7 @@ def _changed_lr(ckpt_dir, patched):
     scheduler's to set (``--override-opt-param-scheduler``: the new one, scheduler-override-group-lr;
     ``--use-checkpoint-opt-param-scheduler``: the saved one), so after the load they hold the saved
     group's, as they always did. From 0.19 the release refuses such a load (``KeyError``, phase ``load``)."""
-    rt = RoundTrip(case="changed_lr", sharding_type="dp_reshardable", steps=None)
-    with rt.running(), optimizer_path(apex=True):
-        rt.phase("precondition")
-        rt["fix_state"] = fix_states(ID, (MODULE, DISTRIB_MODULE), patched)
-        rt.phase("save")
-        model, opt = build(SOURCE_SEED)
-        saved_lrs = _lrs(opt)
-        for i in range(STEPS):
-            step(model, opt, i)
-        saved = local_state(model, opt)
-        rt["lrs"] = saved_lrs
-        rt.phase("load")
-        target, target_opt = build(TARGET_SEED, lrs=NEW_LRS)
-        assert _lrs(target_opt) != saved_lrs, _lrs(target_opt)
-        _save_and_load(model, opt, target, target_opt, os.path.join(ckpt_dir, "changed_lr_chained"))
-        alone, alone_opt = build(TARGET_SEED, lrs=NEW_LRS)
-        (source_inner,), (alone_inner,) = distributed(opt), distributed(alone_opt)
-        _save_and_load(model, source_inner, alone, alone_inner, os.path.join(ckpt_dir, "changed_lr_alone"))
-        rt.phase("groups")
-        wrong = [
-            f"{how} {_lrs(o)}" for how, o in (("chained", target_opt), ("alone", alone_opt)) if _lrs(o) != saved_lrs
-        ]
-        if wrong:
-            raise AssertionError(
-                f"param groups' (max_lr, min_lr) after the load, saved {saved_lrs}: {'; '.join(wrong)}"
-            )
-        rt.compare(saved, local_state(target, target_opt), prefix="chained/")
-        rt.compare(saved, local_state(alone, alone_opt), prefix="alone/")
-    return rt.result
+    return _round_trip("changed_lr", ckpt_dir, patched, {}, {"lrs": NEW_LRS}, _learning_rate_changed)
 
 
 CASES = {"decoupled_lr": _decoupled_lr, "changed_lr": _changed_lr}
