@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..testing import gpt_job as job
+from ..testing.bridge_config import cpu_gpt_provider
 from ..testing.quiet import quiet
 
 MODULE = "megatron.bridge.training.checkpointing"
@@ -51,9 +52,7 @@ def prepare() -> None:
 def _model_provider(cfg, args):
     """Bridge's description of the model the job builds (what its run_config.yaml records and its
     load compares: the parallel sizes)."""
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-
-    model = GPTModelProvider(
+    return cpu_gpt_provider(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -68,16 +67,7 @@ def _model_provider(cfg, args):
         hidden_dropout=args.hidden_dropout,
         bf16=True,
         params_dtype=torch.bfloat16,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
     )
-    model.finalize()  # Bridge defers TransformerConfig.__post_init__ to here
-    return model
 
 
 def _config(cfg, args, ckpt_dir):

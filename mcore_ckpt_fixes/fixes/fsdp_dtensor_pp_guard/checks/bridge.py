@@ -38,6 +38,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ....testing.bridge_config import cpu_gpt_provider, round_trip_config
 from ....testing.quiet import quiet
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -60,19 +61,9 @@ def prepare() -> None:
 
 
 def _config(ckpt_dir, pp, ckpt_format):
-    """Bridge's own ConfigContainer, its defaults but for what this round trip needs."""
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        LoggerConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainingConfig,
-    )
-    from megatron.bridge.training.tokenizers.config import TokenizerConfig
-
-    model = GPTModelProvider(
+    """Bridge's own ConfigContainer, its defaults but for what this round trip needs: a two-layer
+    GPT over ``pp`` pipeline stages, no RNG state."""
+    model = cpu_gpt_provider(
         num_layers=2,
         hidden_size=16,
         num_attention_heads=2,
@@ -81,34 +72,8 @@ def _config(ckpt_dir, pp, ckpt_format):
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
         share_embeddings_and_output_weights=False,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
     )
-    model.finalize()  # Bridge defers TransformerConfig.__post_init__ to here
-    return ConfigContainer(
-        train=TrainingConfig(micro_batch_size=1, global_batch_size=2, train_iters=1),
-        model=model,
-        optimizer=OptimizerConfig(lr=0.1, use_distributed_optimizer=False),
-        scheduler=SchedulerConfig(),
-        dataset=None,
-        logger=LoggerConfig(),
-        tokenizer=TokenizerConfig(),
-        checkpoint=CheckpointConfig(
-            save=ckpt_dir,
-            load=ckpt_dir,
-            ckpt_format=ckpt_format,
-            save_interval=1,
-            save_optim=False,
-            load_optim=False,
-            save_rng=False,
-            load_rng=False,
-        ),
-    )
+    return round_trip_config(model, ckpt_dir, ckpt_format, rng=False)
 
 
 def start(ckpt_dir, pp, ckpt_format="fsdp_dtensor"):

@@ -37,6 +37,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ....testing.bridge_config import cpu_gpt_provider, round_trip_config
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID as FIX_ID
@@ -61,19 +62,9 @@ def prepare() -> None:
 
 
 def _config(ckpt_dir, ckpt_format):
-    """Bridge's own ConfigContainer, its defaults but for what a checkpoint round trip needs."""
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        LoggerConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainingConfig,
-    )
-    from megatron.bridge.training.tokenizers.config import TokenizerConfig
-
-    model = GPTModelProvider(
+    """Bridge's own ConfigContainer, its defaults but for what a checkpoint round trip needs: a
+    one-layer MoE GPT, one expert per EP rank, its RNG state saved and loaded."""
+    model = cpu_gpt_provider(
         num_layers=1,
         hidden_size=16,
         num_attention_heads=2,
@@ -83,34 +74,8 @@ def _config(ckpt_dir, ckpt_format):
         expert_model_parallel_size=EP,
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="none",
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
     )
-    model.finalize()  # Bridge defers TransformerConfig.__post_init__ (init methods, ...) to here
-    return ConfigContainer(
-        train=TrainingConfig(micro_batch_size=1, global_batch_size=2, train_iters=1),
-        model=model,
-        optimizer=OptimizerConfig(lr=0.1, use_distributed_optimizer=False),
-        scheduler=SchedulerConfig(),
-        dataset=None,
-        logger=LoggerConfig(),
-        tokenizer=TokenizerConfig(),
-        checkpoint=CheckpointConfig(
-            save=ckpt_dir,
-            load=ckpt_dir,
-            ckpt_format=ckpt_format,
-            save_interval=1,
-            save_optim=False,
-            load_optim=False,
-            save_rng=True,
-            load_rng=True,
-        ),
-    )
+    return round_trip_config(model, ckpt_dir, ckpt_format, rng=True)
 
 
 def _setup(ckpt_dir, ckpt_format):
