@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from conftest import ROOT
 from mcore_ckpt_fixes.engine.registry import ENGINE
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.one_line  # the whole matrix runs it on one line (tools
 GPU_ROUND_TRIPS = "tests/gpu/test_cuda_round_trips.py::test_cuda_round_trip"
 SELFTEST_CUDA = "tests/cli/test_selftest.py::test_selftest_cuda"
 GPU_RESUME = "tests/gpu/test_cuda_resume.py::test_cuda_resume_exact_with_the_fixes"
+GPU_KNOWN_BUGS = ["tests/gpu/test_cuda_known_bugs.py::test_mfsdp_no_load_optim_as_catalogued"]
 
 
 def _pytest_gpu(*args):
@@ -52,7 +54,8 @@ def test_gpu_tests_collect_as_on_cuda():
     from mcore_ckpt_fixes.resume.configs import CONFIGS
 
     resume = [f"{GPU_RESUME}[{c.name}]" for c in CONFIGS]  # every configuration the CPU check runs
-    assert collected == resume + [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios] + [SELFTEST_CUDA], collected
+    round_trips = [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios]
+    assert collected == GPU_KNOWN_BUGS + resume + round_trips + [SELFTEST_CUDA], collected
 
 
 def test_gpu_tests_fixtures_resolve():
@@ -70,3 +73,27 @@ def test_cuda_scenarios_take_a_device():
         assert {"rank", "world_size", "ckpt_dir", "patched", "device"} <= set(params), (s.id, list(params))
         if s.prepare:
             assert callable(resolve(s.prepare)), s.prepare
+        if s.batch:  # several of the fix's scenarios in one world: by name, on a device
+            params = inspect.signature(resolve(s.batch)).parameters
+            assert {"rank", "world_size", "ckpt_dir", "patched", "device", "names"} <= set(params), (s.id, s.batch)
+
+
+def test_known_bug_reproduction_runs_up_to_the_gpu(tmp_path, mcore_version):
+    """tests/gpu/test_cuda_known_bugs.py's Megatron-FSDP reproduction on this CPU host: Megatron-LM's
+    arguments (``--use-megatron-fsdp``, ``fsdp_dtensor``) pass ``validate_args`` and ``get_model``
+    builds the GPT; the first thing that stops it is a CUDA call of ``get_model``'s Megatron-FSDP
+    wrapping (before it, the CPU shims of the test worker answer Megatron's ``.cuda()``)."""
+    from mcore_ckpt_fixes.testing.launcher import run_world, values
+
+    if mcore_version < Version("0.17.0"):
+        pytest.skip("megatron.training ships in the wheel from 0.17.0")
+    (r,) = values(
+        run_world(
+            "mcore_ckpt_fixes.testing.known_bug_repros:mfsdp_no_load_optim",
+            1,
+            {"ckpt_dir": str(tmp_path), "device": "cpu"},
+            timeout=240,
+        )
+    )
+    assert r["phase"] == "build" and "CUDA" in r["error"], (r["phase"], r["error"], r.get("traceback"))
+    assert "in get_model" in r["traceback"] and "torch/cuda" in r["traceback"], r["traceback"]

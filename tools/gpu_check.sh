@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The whole GPU check, in one command, on a GPU host prepared by tools/gpu_prepare.sh (run from the
 # repository root there, .gpu carried): for each release line's wheel, every scenario registered for
-# CUDA (tests/gpu/test_cuda_round_trips.py, both halves) and, on the newest line, the resume check on
-# CUDA (tests/gpu/test_cuda_resume.py), within a time budget (default 540 s in all, so the check ends
-# inside a 10-minute command). Writes to OUT (default .gpu/out):
+# CUDA (tests/gpu/test_cuda_round_trips.py, both halves, one world per half for a fix's batch), the
+# catalogued bugs only a GPU shows (tests/gpu/test_cuda_known_bugs.py) and,
+# on the newest line, the resume check on CUDA (tests/gpu/test_cuda_resume.py), the lines side by
+# side, within a time budget (default 540 s, so the check ends inside a 10-minute command). Writes
+# to OUT (default .gpu/out):
 #   device.json    the device, driver, torch and CUDA versions
 #   results.jsonl  one line per scenario and release line: both halves' outcome per rank
-#   <line>.xml     pytest's JUnit report per line; summary.json: each test's outcome per line,
-#                  and what the budget left out
+#   <line>.xml     pytest's JUnit report per line (<newest>-resume.xml: the resume check), and its
+#                  log (<line>.log); summary.json: each test's outcome per line, and the jobs that
+#                  did not finish (the budget ran out, or the wheel did not install)
 # Exit 0 when every test that ran passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,24 +33,41 @@ wheels=(.gpu/wheels/megatron_core-*.whl)
 newest=$(printf '%s\n' "${wheels[@]}" | sed 's/.*megatron_core-\([^-]*\)-.*/\1/' | sort -V | tail -1)
 rc=0
 left=()
+# Each line's wheel in its own folder first (local wheels: seconds), then every line's tests at once:
+# a line is mostly its worlds' start-up on the CPU cores, and the host has cores to spare, so the
+# lines run side by side (the resume check on the newest line as a job of its own) rather than
+# one after another. Each job has the whole budget; one that runs out is named in summary.json.
+jobs=()
 for whl in "${wheels[@]}"; do
   rel=$(basename "$whl" | sed 's/megatron_core-\([^-]*\)-.*/\1/')
-  now=$(( $(date +%s) - start ))
-  if [ $now -ge "$BUDGET" ]; then left+=("$rel"); continue; fi
   site=/tmp/mcore-gpu-$rel
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$whl" || { rc=1; continue; }
-  tests=(tests/gpu/test_cuda_round_trips.py)
-  [ "$rel" = "$newest" ] && tests+=(tests/gpu/test_cuda_resume.py)
-  echo "=== Megatron-Core $rel: ${tests[*]} ($(( BUDGET - now )) s left) ==="
-  PYTHONPATH="$site:$PWD" MCORE_CKPT_FIXES_GPU_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 \
-    timeout $(( BUDGET - now )) python3 -m pytest -p no:cacheprovider -m gpu -q -rA "${tests[@]}" \
-    --junitxml "$OUT/$rel.xml" || rc=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$whl" \
+    || { rc=1; left+=("$rel"); continue; }
+  jobs+=("$rel:$rel:tests/gpu/test_cuda_round_trips.py tests/gpu/test_cuda_known_bugs.py")
+  [ "$rel" = "$newest" ] && jobs+=("$rel:$rel-resume:tests/gpu/test_cuda_resume.py")
+done
+pids=()
+for job in "${jobs[@]}"; do
+  IFS=: read -r rel name tests <<< "$job"
+  left_s=$(( BUDGET - ($(date +%s) - start) ))
+  echo "=== Megatron-Core $rel: $tests (log $OUT/$name.log, $left_s s) ==="
+  PYTHONPATH="/tmp/mcore-gpu-$rel:$PWD" MCORE_CKPT_FIXES_GPU_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 \
+    timeout "$left_s" python3 -m pytest -p no:cacheprovider -m gpu -q -rA $tests \
+    --junitxml "$OUT/$name.xml" > "$OUT/$name.log" 2>&1 &
+  pids+=("$!")
+done
+for i in "${!pids[@]}"; do
+  IFS=: read -r rel name tests <<< "${jobs[$i]}"
+  wait "${pids[$i]}"; status=$?
+  [ $status -eq 0 ] || rc=1
+  [ $status -eq 124 ] && left+=("$name")  # the budget ran out: its JUnit report is missing
+  echo "--- $name: exit $status"; tail -n 15 "$OUT/$name.log"
 done
 python3 - "$OUT" "${left[@]}" > "$OUT/summary.json" <<'PY'
 import glob, json, os, sys
 import xml.etree.ElementTree as ET
 out, left = sys.argv[1], sys.argv[2:]
-summary = {"lines": {}, "not_run_budget": left}
+summary = {"lines": {}, "not_finished": left}
 for path in sorted(glob.glob(os.path.join(out, "*.xml"))):
     rows = {}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -56,5 +76,5 @@ for path in sorted(glob.glob(os.path.join(out, "*.xml"))):
     summary["lines"][os.path.basename(path)[:-4]] = rows
 print(json.dumps(summary, indent=1))
 PY
-echo "gpu_check: exit $rc after $(( $(date +%s) - start )) s; results in $OUT (lines left by the budget: ${left[*]:-none})"
+echo "gpu_check: exit $rc after $(( $(date +%s) - start )) s; results in $OUT (not finished: ${left[*]:-none})"
 exit $rc

@@ -250,6 +250,9 @@ def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
         return out
+    # Which Adam the runs took (Megatron's FusedAdam path: Apex's, Transformer Engine's or the
+    # stand-in; or torch's): a GPU record says which path each result used.
+    out["optimizer"] = uninterrupted[0].get("optimizer")
     values = {}
     for mode in modes:
         out[mode], values[mode] = _mode(cfg, mode, uninterrupted, device, timeout)

@@ -107,3 +107,22 @@ def optimizer_path(apex: bool):
     finally:
         for module, attr, value in reversed(saved):
             setattr(module, attr, value)
+
+
+def installed_fused_adam() -> bool:
+    """Whether this host has a FusedAdam Megatron takes of its own (Apex's or Transformer Engine's)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("apex", "transformer_engine"))
+
+
+def path_in_use() -> str:
+    """Which Adam Megatron's optimizer builds now: ``FusedAdam stand-in`` (this module's),
+    ``apex FusedAdam``, ``transformer_engine FusedAdam`` or ``torch AdamW`` (the fallback)."""
+    import megatron.core.optimizer as optimizer
+
+    adam = optimizer.Adam
+    if adam is FusedAdam:
+        return "FusedAdam stand-in"
+    package = adam.__module__.partition(".")[0]
+    return f"{package} {adam.__name__}" if package != "torch" else f"torch {adam.__name__}"

@@ -388,6 +388,9 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         # resumes, compared bit for bit with the release's own uninterrupted run (check.py).
         out["losses"].update(_train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))
     out["state"] = snapshot(model, optimizer, scheduler)
+    from ._fused_adam import path_in_use
+
+    out["optimizer"] = path_in_use()
     return out
 
 
@@ -408,6 +411,9 @@ def _resume(cfg, args, steps, resume_at, cpu_gen):
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
     out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
+    from ._fused_adam import path_in_use
+
+    out["optimizer"] = path_in_use()
     return out
 
 
@@ -475,7 +481,7 @@ def worker(cfg, device):
     """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
     the FusedAdam path; yields the CPU generator. Model-parallel state is destroyed on the way out."""
     from ._cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ._fused_adam import optimizer_path
+    from ._fused_adam import installed_fused_adam, optimizer_path
     from ._rng_standin import TrainingRngStandIn
 
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
@@ -487,9 +493,10 @@ def worker(cfg, device):
             stack.enter_context(cpu_streams())
             if cfg.ep and cfg.tp > 1:
                 stack.enter_context(sequence_parallel_torch_norms())
-        if on_cpu or not cfg.fused_adam:
-            # On a GPU the FusedAdam path is the installed Apex's or Transformer Engine's; a CPU
-            # host has neither, so the stand-in takes its place.
+        if on_cpu or not cfg.fused_adam or not installed_fused_adam():
+            # On a GPU the FusedAdam path is the installed Apex's or Transformer Engine's; a host
+            # with neither (any CPU host, a GPU host they cannot be installed on) gets the stand-in,
+            # on the host's tensors. Each run records which path it took (``optimizer``).
             stack.enter_context(optimizer_path(apex=cfg.fused_adam))
         try:
             yield rng.cpu_generator()

@@ -120,6 +120,11 @@ class Scenario:
     parent before any world is started (forked ranks inherit what it did: stand-ins for optional
     packages that must be in place before Megatron imports, and the Megatron imports themselves,
     so each world forks warm). ``nproc``: the world size the scenario is written for.
+
+    ``batch``: the fix's entry point that runs several of its scenarios in one world,
+    ``(rank, world_size, ckpt_dir, patched, device="cpu", names=None) -> {scenario name: result}``
+    (each result as ``func`` returns it alone), or None. A run of many scenarios (the GPU check)
+    starts one world per half for all the scenarios of a fix that name the same ``batch``.
     """
 
     __slots__ = (
@@ -134,6 +139,7 @@ class Scenario:
         "doc",
         "requires",
         "applicable",
+        "batch",
     )
 
     def __init__(
@@ -149,6 +155,7 @@ class Scenario:
         doc="",
         requires=(),
         applicable=None,
+        batch=None,
     ):
         self.fix_id = fix_id
         self.name = name
@@ -161,6 +168,7 @@ class Scenario:
         self.doc = doc
         self.requires = tuple(requires)
         self.applicable = applicable  # "module:function" -> None, or why this release cannot run it
+        self.batch = batch
 
     def absent(self):
         """The first of ``requires`` (``"module:attribute"`` or ``"module:Class.attribute"``: the Megatron feature the scenario

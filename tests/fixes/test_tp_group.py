@@ -15,6 +15,7 @@ from mcore_ckpt_fixes.testing import for_fix, resolve
 # The registry selftest runs too: each scenario with the exact error it shows without the fix
 # (see mcore_ckpt_fixes/scenarios/__init__.py for why a lone MambaMixer's differs).
 SCENARIOS = {s.name: s for s in for_fix("tp-group")}
+BATCH = "mcore_ckpt_fixes.fixes.tp_group.checks.core:cases"
 
 
 def test_registry_declares_every_round_trip():
@@ -43,22 +44,34 @@ def warm_parent():
         resolve(hook)()
 
 
-def _run(name, patched, tmp_path):
-    env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-    return values(
-        run_world(
-            SCENARIOS[name].func,
-            SCENARIOS[name].nproc,
-            {"ckpt_dir": str(tmp_path), "patched": patched},
-            env=env,
-            timeout=SCENARIOS[name].timeout,
+@pytest.fixture(scope="module")
+def halves(tmp_path_factory):
+    """``{patched: {name: [each rank's result]}}``: the three scenarios in one world per half, as
+    the GPU check runs them (their ``batch``)."""
+    out = {}
+    for patched in (False, True):
+        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+        ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
+        ranks = values(
+            run_world(
+                BATCH,
+                2,
+                {"ckpt_dir": ckpt, "patched": patched, "names": list(SCENARIOS)},
+                env=env,
+                timeout=sum(s.timeout for s in SCENARIOS.values()),
+            )
         )
-    )
+        out[patched] = {name: [r[name] for r in ranks] for name in SCENARIOS}
+    return out
+
+
+def test_batch_is_declared():
+    assert {s.batch for s in SCENARIOS.values()} == {BATCH}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_unpatched(name, tmp_path, mcore_version):
-    results = _run(name, False, tmp_path)
+def test_unpatched(name, halves, mcore_version):
+    results = halves[False][name]
     bug = SCENARIOS[name].bug
     if mcore_version in FIX.specifiers:
         for rank, r in enumerate(results):
@@ -73,8 +86,8 @@ def test_unpatched(name, tmp_path, mcore_version):
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_patched_round_trip_is_exact(name, tmp_path, mcore_version):
-    results = _run(name, True, tmp_path)
+def test_patched_round_trip_is_exact(name, halves, mcore_version):
+    results = halves[True][name]
     expected_state = "applied" if mcore_version in FIX.specifiers else "not-needed"
     for rank, r in enumerate(results):
         assert r["error"] is None, (rank, r["error"], r.get("traceback"))

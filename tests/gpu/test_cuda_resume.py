@@ -1,7 +1,9 @@
 """The resume check on this machine's GPU (``pytest -m gpu``): the same configurations as on CPU, with
-no stand-in (the ranks run on CUDA over gloo, several may share one GPU; Megatron's FusedAdam path is
-whatever this installation provides). With the fixes every configuration resumes bit for bit; record
-the device and the result in docs/validation.md (GPU runs).
+no CPU shim (the ranks run on CUDA over gloo, several may share one GPU). Megatron's FusedAdam path is
+the installed Apex's or Transformer Engine's; on a host with neither, the FusedAdam stand-in on CUDA
+tensors (configurations without it take torch's Adam); each record names the path (``optimizer``).
+With the fixes every configuration resumes bit for bit; record the device and the result in
+docs/validation.md (GPU runs).
 
 Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
 """
@@ -30,10 +32,12 @@ def test_cuda_resume_exact_with_the_fixes(cfg, capsys, mcore_version):
     from test_cuda_round_trips import record
 
     record({"resume": cfg.name, "release": str(mcore_version), "on": out["on"]["verdict"],
-            "off": out["off"]["verdict"], "needed_here": out.get("needed_here")})  # fmt: skip
+            "off": out["off"]["verdict"], "needed_here": out.get("needed_here"),
+            "optimizer": out.get("optimizer")})  # fmt: skip
     with capsys.disabled():
         print(
-            f"\n{cfg.name} on {torch.cuda.get_device_name(0)}: on {out['on']['verdict']}, off {out['off']['verdict']}"
+            f"\n{cfg.name} on {torch.cuda.get_device_name(0)} ({out.get('optimizer')}): "
+            f"on {out['on']['verdict']}, off {out['off']['verdict']}"
         )
     if cfg.expect == resume.AS_RELEASE:  # held to the release's own resume: the same bits, or the same error
         assert out["on"]["verdict"] == resume.AS_RELEASE, [w for w in out["on"]["ways"] if w["verdict"] != "as-release"]

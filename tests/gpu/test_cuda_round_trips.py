@@ -5,6 +5,9 @@ Both halves, as on CPU: with the fix off the documented bug shows on a release t
 were on a GPU. No CPU shims: the worker installs none where CUDA is available, so Megatron's real
 ``torch.cuda`` calls run.
 
+The scenarios of a fix that name one ``batch`` run together, one world per half (a world is most of
+a scenario's cost); the others one world per half each.
+
 Backend: NCCL when there is a GPU per rank. NCCL refuses two ranks on one device, so on a
 single-GPU machine the ranks share GPU 0 over gloo (CUDA tensors, real CUDA calls; the collectives
 are gloo's). Which one ran is printed; the runs are listed in docs/validation.md (GPU runs).
@@ -21,7 +24,7 @@ import tempfile
 import pytest
 
 from mcore_ckpt_fixes.engine.registry import ENGINE
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import WorldError, run_world, values
 from mcore_ckpt_fixes.testing import all_scenarios, resolve
 
 pytestmark = pytest.mark.gpu
@@ -45,26 +48,68 @@ def record(row):
             f.write(json.dumps(row, default=str) + "\n")
 
 
+def _together(scenario):
+    """The CUDA scenarios that run in ``scenario``'s worlds: every one of its fix naming the same
+    ``batch`` that this release can run, or ``scenario`` alone."""
+    if scenario.batch is None:
+        return [scenario]
+    return [s for s in CUDA_SCENARIOS if (s.fix_id, s.batch) == (scenario.fix_id, scenario.batch) and not s.absent()]
+
+
+@pytest.fixture(scope="module")
+def halves():
+    """``{scenario id: {patched: [each rank's result]}}``, filled one world per half and batch."""
+    return {}
+
+
+def _run_halves(scenario, done):
+    if scenario.id not in done:
+        try:
+            _start(scenario, done)
+        except WorldError as exc:  # the batch's other scenarios fail with it, without a second world
+            for s in _together(scenario):
+                done[s.id] = exc
+    if isinstance(done[scenario.id], WorldError):
+        pytest.fail(f"a world of {scenario.batch or scenario.func} failed:\n{done[scenario.id]}")
+    return done[scenario.id]
+
+
+def _start(scenario, done):
+    together = _together(scenario)
+    for s in together:
+        if s.prepare:
+            resolve(s.prepare)()
+    backend = _backend(scenario.nproc)
+    for patched in (False, True):
+        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+        kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
+        if scenario.batch is not None:
+            kwargs["names"] = [s.name for s in together]
+        # spawn: importing Megatron here may already have initialised CUDA, which a fork cannot inherit.
+        ranks = values(
+            run_world(
+                scenario.batch or scenario.func,
+                scenario.nproc,
+                kwargs,
+                backend=backend,
+                method="spawn",
+                env=env,
+                timeout=sum(s.timeout for s in together),
+            )
+        )
+        for s in together:
+            per_rank = [r[s.name] for r in ranks] if scenario.batch is not None else ranks
+            done.setdefault(s.id, {"backend": backend})[patched] = per_rank
+
+
 @pytest.mark.parametrize("scenario", CUDA_SCENARIOS, ids=[s.id for s in CUDA_SCENARIOS])
-def test_cuda_round_trip(scenario, mcore_version, capsys):
+def test_cuda_round_trip(scenario, mcore_version, halves, capsys):
     absent = scenario.absent()
     if absent:
         pytest.skip(f"not applicable to Megatron-Core {mcore_version}: {absent}")
-    if scenario.prepare:
-        resolve(scenario.prepare)()
-    backend = _backend(scenario.nproc)
     affected = mcore_version in ENGINE.discover()[scenario.fix_id].specifiers
-
-    def world(patched):
-        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
-        kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
-        # spawn: importing Megatron here may already have initialised CUDA, which a fork cannot inherit.
-        return run_world(
-            scenario.func, scenario.nproc, kwargs, backend=backend, method="spawn", env=env, timeout=scenario.timeout
-        )
-
-    off = values(world(False))
-    on = values(world(True))
+    run = _run_halves(scenario, halves)
+    backend, off, on = run["backend"], run[False], run[True]
     record(
         {
             "fix": scenario.fix_id,

@@ -23,6 +23,7 @@ from conftest import megatron_version, resume_fail_text
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import MIMO_WORLD2_BUG
 from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING, by_name
+from mcore_ckpt_fixes.testing.job_config import Config
 
 RNG_EXPERT = "rng:tracker:expert-parallel-rng"
 MIMO = by_name("mimo-noncolocated")
@@ -113,6 +114,8 @@ def test_a_run_that_never_resumes_is_unchanged_by_the_fixes(cfg):
     for r in unchanged["ranks"]:
         assert r["steps"] == list(range(1, resume.STEPS + 1)), r["steps"]  # every step, the saved ones too
         assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
+    if cfg.job == Config.job:  # the GPT job records which Adam it ran (no Apex or TE here)
+        assert _checked(cfg)["optimizer"] == ("FusedAdam stand-in" if cfg.fused_adam else "torch AdamW"), cfg
 
 
 @pytest.mark.parametrize("cfg", EXACT, ids=[c.name for c in EXACT])

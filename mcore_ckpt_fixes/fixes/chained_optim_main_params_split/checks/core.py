@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ....testing.dist_optimizer import device as world_device
 from ....testing.dist_optimizer import world
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -68,8 +69,9 @@ def _values(seed, name, shape):
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def _parallel(case: Case):
+def _parallel(case: Case, device="cpu"):
     return world(
+        device,
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.chunks if case.chunks > 1 else None,
         expert_model_parallel_size=case.ep,
@@ -115,7 +117,7 @@ def _chunks(case: Case, seed, bf16):
         with torch.no_grad():
             for name, p in gpt.named_parameters():
                 p.copy_(_values(seed, f"{dist.get_rank()}/{vp}/{name}", p.shape))
-        out.append((config, gpt))
+        out.append((config, gpt.to(world_device())))
     return out
 
 
@@ -168,11 +170,13 @@ def _main_params(model, opt, state):
     return expected, got
 
 
-def run_case(name, ckpt_dir, patched, cache=None, case=None, fix=(ID, MODULE)):
-    """One case (``CASES[name]``, or ``case``), under ``fix`` = (fix id, its target module) on or off."""
+def run_case(name, ckpt_dir, patched, cache=None, case=None, fix=(ID, MODULE), device="cpu"):
+    """One case (``CASES[name]``, or ``case``), under ``fix`` = (fix id, its target module) on or
+    off, the models on ``device``."""
     case = case or CASES[name]
     rt = RoundTrip(case=name, sub_optimizers=None, bf16_rounded=[])
-    with rt.running(), _parallel(case):
+    with rt.running(), _parallel(case, device):
+        rt["device"] = str(world_device())
         rt.phase("precondition")
         rt["fix_state"] = fix_states(fix[0], (fix[1],), patched)
         rt.phase("save")
@@ -197,12 +201,12 @@ def run_case(name, ckpt_dir, patched, cache=None, case=None, fix=(ID, MODULE)):
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Every case in one world: ``{case: result}``."""
-    return {name: run_case(name, ckpt_dir, patched) for name in names or CASES}
+    return {name: run_case(name, ckpt_dir, patched, device=device) for name in names or CASES}
 
 
 def one_chunk(rank, world_size, ckpt_dir, patched, device="cpu"):
-    return run_case("one_chunk", ckpt_dir, patched)
+    return run_case("one_chunk", ckpt_dir, patched, device=device)
 
 
 def two_chunks(rank, world_size, ckpt_dir, patched, device="cpu"):
-    return run_case("two_chunks", ckpt_dir, patched)
+    return run_case("two_chunks", ckpt_dir, patched, device=device)

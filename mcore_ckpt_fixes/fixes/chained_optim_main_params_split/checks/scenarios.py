@@ -33,7 +33,7 @@ SCENARIOS = (
         2,
         {_AFFECTED: BF16_MAIN_PARAMS},
         prepare=_PREPARE,
-        devices=("cpu",),
+        batch=f"{_CORE}:cases",
         doc="MoE GPT (EP=2), one chunk: main parameters reloaded from an fp32 checkpoint",
     ),
     Scenario(
@@ -43,7 +43,7 @@ SCENARIOS = (
         4,
         {_AFFECTED: OFFSET_PAST_LAST_CHUNK},
         prepare=_PREPARE,
-        devices=("cpu",),
+        batch=f"{_CORE}:cases",
         doc="MoE GPT (PP=2 with two virtual stages, EP=2), two chunks per rank: the same reload",
     ),
 )

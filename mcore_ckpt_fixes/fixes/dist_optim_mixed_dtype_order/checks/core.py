@@ -19,8 +19,9 @@ parameters of this rank whose map entry (``model_param_group_index_map``) names 
 their own. In ``equal_sizes`` a loaded value that is another parameter's saved one fails the round
 trip with ``SWAPPED`` (``swapped``: parameter -> whose state it got).
 
-What is not real: the gradients (drawn, the same on every rank), Apex's FusedAdam (a CPU stand-in)
-and the CUDA tensors, as :mod:`mcore_ckpt_fixes.testing.dist_optimizer` says.
+What is not real: the gradients (drawn, the same on every rank), Apex's FusedAdam (a stand-in in
+plain torch ops, on the models' device) and, on a CPU host, the CUDA tensors, as
+:mod:`mcore_ckpt_fixes.testing.dist_optimizer` says (``device="cuda"`` puts the models on the GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, step, values, world
+from ....testing.dist_optimizer import device as world_device
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
@@ -77,7 +79,7 @@ def _module(case, config, seed):
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
-    return module
+    return module.to(world_device())
 
 
 def build(case, seed):
@@ -178,8 +180,8 @@ def _load(rt, case, path):
     return got, full_state(model, opt)
 
 
-def run_case(case, ckpt_dir, patched):
-    """One case: its RoundTrip result (the world's parallel state is set up here)."""
+def run_case(case, ckpt_dir, patched, device="cpu"):
+    """One case: its RoundTrip result (the world's parallel state is set up here, the models on ``device``)."""
     rt = RoundTrip(case=case, sharding_type=CASES[case])
     path = os.path.join(ckpt_dir, case)
     # Apex's FusedAdam (its CPU stand-in): the path of a GPU host, where the step is kept per group
@@ -190,13 +192,14 @@ def run_case(case, ckpt_dir, patched):
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        with world():
+        with world(device):
+            rt["device"] = str(world_device())
             rt.phase("train")
             saved, reference = _save(rt, case, path)
             if case == "gpt":
                 got, after = _load(rt, case, path)
         if case == "equal_sizes":  # loaded with DP=1: the release pairs other parameters there
-            with world(tensor_model_parallel_size=2):
+            with world(device, tensor_model_parallel_size=2):
                 got, after = _load(rt, case, path)
         rt.compare(saved, got)
         rt.compare(reference, after, prefix="next/")
@@ -206,11 +209,11 @@ def run_case(case, ckpt_dir, patched):
     return rt.result
 
 
-def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
-    """Both cases in one world: ``{case: result}``."""
-    return {case: run_case(case, ckpt_dir, patched) for case in CASES}
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """Several cases in one world (``names``, default both): ``{case: result}``."""
+    return {case: run_case(case, ckpt_dir, patched, device) for case in CASES if case in (names or CASES)}
 
 
 def equal_sizes(rank, world_size, ckpt_dir, patched, device="cpu"):
     """``selftest``'s scenario: the silent swap alone."""
-    return run_case("equal_sizes", ckpt_dir, patched)
+    return run_case("equal_sizes", ckpt_dir, patched, device)

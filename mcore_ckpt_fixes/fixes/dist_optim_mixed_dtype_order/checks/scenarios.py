@@ -22,7 +22,7 @@ SCENARIOS = (
         2,
         {">=0.15.0,<=0.19.2": SWAPPED},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
+        batch=f"{_CORE}:cases",
         # The fully_reshardable format (0.15.0 on): the layout that hands swapped state to a reader
         # of another data-parallel size.
         requires=(

@@ -69,6 +69,8 @@ def _start(cfg, ckpt_dir, pp):
         pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(),
     )
+    if torch.cuda.is_available():  # as the job's models: on the rank's GPU where there is one
+        gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
 
@@ -105,6 +107,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         rt.phase("save")
         model = _start(PP1, ckpt_dir, 1)
+        rt["device"] = str(next(model.parameters()).device)
         saved = _layers(model)
         checkpointing.save_checkpoint(1, [model], None, None, 0)
         rt.phase("load")

@@ -26,7 +26,6 @@ SCENARIOS = (
         {">=0.17.0,<=0.19.2": OTHER_STAGES_LAYERS},
         prepare=f"{_CORE}:prepare",
         requires=("megatron.training.checkpointing:preprocess_fsdp_dtensor_state_dict",),
-        devices=("cpu",),
         doc="a 2-layer GPT saved in fsdp_dtensor with PP=1 by megatron.training, loaded with PP=2, then PP=1",
     ),
 )

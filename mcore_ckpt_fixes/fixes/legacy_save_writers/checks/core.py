@@ -128,6 +128,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         rt.phase("save")
         (model, optimizer, scheduler), saved, writers = _save(checkpointing, CONFIG, save_dir, 2, cpu_gen)
+        rt["device"] = str(next(model.parameters()).device)  # the job's GPU where there is one
         rt["layout"] = {"tp": mpu.get_tensor_model_parallel_rank(), "expert_dp": mpu.get_expert_data_parallel_rank()}
         rt.phase("files")
         missing = _missing(checkpointing, save_dir)

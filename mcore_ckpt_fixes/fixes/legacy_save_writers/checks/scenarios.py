@@ -22,7 +22,6 @@ SCENARIOS = (
         {">=0.17.0,<0.18.0": UNWRITTEN},
         prepare=f"{_CORE}:prepare",
         requires=("megatron.training.checkpointing:save_checkpoint",),
-        devices=("cpu",),
         doc="MoE GPT, TP=2 with EP=1 and expert TP=1, saved and loaded by megatron.training in the legacy torch format",
     ),
 )

@@ -90,14 +90,14 @@ def prepare() -> None:
     import megatron.core.transformer.moe.experts  # noqa: F401
 
 
-def run_case(name, ckpt_dir, patched):
-    return chained.run_case(name, ckpt_dir, patched, case=CASES[name], fix=(ID, MODULE))
+def run_case(name, ckpt_dir, patched, device="cpu"):
+    return chained.run_case(name, ckpt_dir, patched, case=CASES[name], fix=(ID, MODULE), device=device)
 
 
-def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
-    """Both cases in one world: ``{case: result}``."""
-    return {name: run_case(name, ckpt_dir, patched) for name in CASES}
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """Several cases in one world (``names``, default both): ``{case: result}``."""
+    return {name: run_case(name, ckpt_dir, patched, device) for name in CASES if name in (names or CASES)}
 
 
 def grouped_experts(rank, world_size, ckpt_dir, patched, device="cpu"):
-    return run_case("grouped_experts", ckpt_dir, patched)
+    return run_case("grouped_experts", ckpt_dir, patched, device)

@@ -29,7 +29,7 @@ SCENARIOS = (
         2,
         {_AFFECTED: THREE_MATCHES},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
+        batch=f"{_CORE}:cases",
         doc="MoE GPT with grouped experts (12 local experts, EP=1): main parameters reloaded from an fp32 checkpoint",
     ),
 )

@@ -115,10 +115,14 @@ def _changed_lr(ckpt_dir, patched):
 CASES = {"decoupled_lr": _decoupled_lr, "changed_lr": _changed_lr}
 
 
-def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
-    """Every case in one world: ``{case: result}``."""
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """Several cases in one world (``names``, default every case): ``{case: result}``."""
     with world(device):
-        return {name: placed(case(os.path.join(ckpt_dir, name), patched)) for name, case in CASES.items()}
+        return {
+            name: placed(case(os.path.join(ckpt_dir, name), patched))
+            for name, case in CASES.items()
+            if name in (names or CASES)
+        }
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):

@@ -133,14 +133,14 @@ def _through_dist_checkpointing(rt, ckpt_dir):
     rt.compare(groups(reference), groups(opt), prefix="dist/")
 
 
-def _through_megatron_training(rt, training, ckpt_dir):
+def _through_megatron_training(rt, training, ckpt_dir, device):
     from megatron.core import parallel_state as mpu
 
     from ....testing import gpt_job as job
     from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2, decoupled_lr=lrs(OLD)["decoupled_lr"])
-    with job.worker(cfg, "cpu") as cpu_gen:
+    with job.worker(cfg, device) as cpu_gen:
         args = job._args(cfg, os.path.join(ckpt_dir, "training"), 10)
         mpu.initialize_model_parallel()
         job._seed(args)
@@ -168,13 +168,14 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt.phase("save")
         # Megatron's FusedAdam path (Apex's interface, a CPU stand-in here), as on a GPU host: on
         # torch's Adam the fresh optimizer's load needs torch-adam-step, which this world may not have.
-        with dopt.world(), optimizer_path(apex=True):
+        with dopt.world(device), optimizer_path(apex=True):
+            rt["device"] = str(dopt.device())
             _through_dist_checkpointing(rt, ckpt_dir)
         training = training_checkpointing()
         rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
         if training is not None:
             rt.phase("save")
-            _through_megatron_training(rt, training, ckpt_dir)
+            _through_megatron_training(rt, training, ckpt_dir, device)
         rt.phase("schedule")
         if rt.differing():  # silent in the release: said here, so that a world shows it as one error
             raise AssertionError(WRONG_SCHEDULE)

@@ -16,7 +16,9 @@ what the source run's held (no step: torch's Adam keeps it per parameter); the m
 and the model parameters equal what was saved (``max_delta``); after one more step they equal the
 uninterrupted run's (``next/...`` keys of ``max_delta``).
 
-What is not real: the gradients and the CUDA tensors, as :mod:`mcore_ckpt_fixes.testing.dist_optimizer` says.
+What is not real: the gradients, and on a CPU host the CUDA tensors, as
+:mod:`mcore_ckpt_fixes.testing.dist_optimizer` says. The torch's Adam cases run on a GPU too
+(``device="cuda"``); the CPU-offload cases use CPU stand-ins of a GPU-side optimizer and run on the CPU only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ....testing.dist_optimizer import (
     build,
     distributed,
     one_case,
+    placed,
     request,
     step,
     world,
@@ -175,9 +178,9 @@ def run_case(name, ckpt_dir, patched, cache=None):
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
     """Several cases in one world (one source save per sharding type and optimizer): ``{case: result}``."""
     cache, out = {}, {}
-    with world():
+    with world(device):
         for name in names or CASES:
-            out[name] = run_case(name, ckpt_dir, patched, cache)
+            out[name] = placed(run_case(name, ckpt_dir, patched, cache))
     return out
 
 

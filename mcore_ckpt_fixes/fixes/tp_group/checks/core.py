@@ -21,6 +21,7 @@ the parallel linears, RADIOViTModel, dist_checkpointing) is the real code.
 from __future__ import annotations
 
 import inspect
+import os
 import zlib
 
 import torch
@@ -269,6 +270,19 @@ def radio_vit(rank: int, world_size: int, ckpt_dir: str, patched: bool, device: 
     pgs = _process_groups()
     build = _seeded(radio_factory(pgs, device), pgs)
     return _round_trip(build, ckpt_dir, pgs, patched, (_RADIO,), device)
+
+
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """Several scenarios in one world (``names``, default all three; each in a folder of its own
+    and with its own process groups): ``{name: result}``."""
+    scenarios = {"mamba_stack": mamba_stack, "mamba_mixer": mamba_mixer, "radio_vit": radio_vit}
+    out = {}
+    for name, run in scenarios.items():
+        if name in (names or scenarios):
+            path = os.path.join(ckpt_dir, name)
+            os.makedirs(path, exist_ok=True)  # every rank, before its save: no rank waits on another's
+            out[name] = run(rank, world_size, path, patched, device)
+    return out
 
 
 def explicit_group_checkpointing():
