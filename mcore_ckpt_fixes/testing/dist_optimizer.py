@@ -14,21 +14,15 @@ real CUDA calls), and the results say where they ran (``device``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import zlib
 from dataclasses import dataclass
 
 import torch
 
+# device(): where this world's models live; placed(result): the result naming it (see placement).
+from .placement import device, on, placed  # noqa: F401
+
 SOURCE_SEED = 1234
-
-# Where the models of the world running in this context live: "cpu" or "cuda" (:func:`world`).
-_DEVICE = contextvars.ContextVar("mcore_ckpt_fixes_testing_device", default="cpu")
-
-
-def device():
-    """The torch device this world's models live on (the rank's GPU in a ``cuda`` world)."""
-    return torch.device("cuda", torch.cuda.current_device()) if _DEVICE.get() == "cuda" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -78,8 +72,7 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
-    if _DEVICE.get() == "cuda":
-        gpt.cuda(torch.cuda.current_device())
+    gpt.to(device())
     if shape.shared_embedding:
         # What Megatron marks on the first pipeline stage's word embedding when it is tied to the
         # last stage's output layer (LanguageModule.setup_embeddings_and_output_layer, PP > 1): DDP
@@ -183,17 +176,14 @@ def world(device="cpu", **parallel):
 
     from ._cpu_shims import cuda_to_cpu_mode
 
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    mpu.initialize_model_parallel(**parallel)
-    token = _DEVICE.set(device)
-    try:
-        with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
-            yield
-    finally:
-        _DEVICE.reset(token)
-        with contextlib.suppress(Exception):
-            mpu.destroy_model_parallel()
+    with on(device):
+        mpu.initialize_model_parallel(**parallel)
+        try:
+            with cuda_to_cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
+                yield
+        finally:
+            with contextlib.suppress(Exception):
+                mpu.destroy_model_parallel()
 
 
 def full_state(model, opt):
@@ -220,11 +210,6 @@ def full_state(model, opt):
     for key in sorted(out):
         dist.all_reduce(out[key])
     return out
-
-
-def placed(result):
-    """A round trip's result with the device this world's models lived on (``device``)."""
-    return {**result, "device": str(device())}
 
 
 def run_cases(run_case, names, ckpt_dir, patched, device="cpu"):

@@ -23,7 +23,6 @@ SCENARIOS = (
         2,
         DROPPED,
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="rerun state machine (VALIDATE_RESULTS) saved at steady state and at a fault with one cached "
         "torch_dist save plan, resumed in a new machine",
     ),

@@ -28,6 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ....testing import placement
 from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -80,7 +81,7 @@ def _idle_entry(machine):
 def _model(rank, seed):
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + rank))
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + rank)).to(placement.device())
     return w, {"w": ShardedTensor.from_rank_offsets("model.w", w, (0, rank, dist.get_world_size()))}
 
 
@@ -154,7 +155,7 @@ def _through_megatron_training(rt, training, ckpt_dir):
     from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
-    with job.worker(cfg, "cpu") as cpu_gen, _machine():
+    with job.worker(cfg, placement.current()) as cpu_gen, _machine():
         args = job._args(cfg, os.path.join(ckpt_dir, "training"), 2)  # warm-up 1 < decay
         mpu.initialize_model_parallel()
         job._seed(args)
@@ -190,7 +191,8 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     training = training_checkpointing()
     rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
     on_cpu = device == "cpu" and not torch.cuda.is_available()
-    with rt.running():
+    with placement.on(device), rt.running():
+        rt["device"] = str(placement.device())
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         rt.phase("save")

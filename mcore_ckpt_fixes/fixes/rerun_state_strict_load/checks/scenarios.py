@@ -26,7 +26,6 @@ SCENARIOS = (
         2,
         REJECTED,
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="a torch_dist checkpoint with the rerun state machine's idle entry, loaded without it (as "
         "load_checkpoint asks) under every --dist-ckpt-strictness value, and through megatron.training "
         "with raise_all",

@@ -31,6 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ....testing import placement
 from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -113,7 +114,7 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
     from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
-    with job.worker(cfg, "cpu") as cpu_gen:
+    with job.worker(cfg, placement.current()) as cpu_gen:
         args = job._args(cfg, ckpt_dir, 2)
         mpu.initialize_model_parallel()
         job._seed(args)
@@ -148,7 +149,8 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     # With the fix on, also what an unfixed release wrote, loaded with the fix.
     cases = ("exit", "old") if patched else ("exit",)
     on_cpu = device == "cpu" and not torch.cuda.is_available()
-    with rt.running():
+    with placement.on(device), rt.running():
+        rt["device"] = str(placement.device())
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         if training is not None:

@@ -23,7 +23,6 @@ SCENARIOS = (
         CRASH,
         prepare=f"{_CORE}:prepare",
         applicable=f"{_CORE}:exit_asks_for_checkpoint",
-        devices=("cpu",),
         doc="rerun state machine (VALIDATE_RESULTS) at a transient fault: the checkpoint it asks for "
         "saved, resumed in a new machine, next step run",
     ),
