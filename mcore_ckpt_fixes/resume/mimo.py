@@ -227,8 +227,9 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     """One rank of one run, as :func:`.job.run` (the same phases, the same result)."""
+    from ..testing import placement
     from ..testing._cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ..testing._fused_adam import optimizer_path
+    from ..testing._fused_adam import installed_fused_adam, optimizer_path, path_in_use
     from ..testing._rng_standin import TrainingRngStandIn
 
     assert world_size == cfg.world == 2, f"{cfg.name} runs on 2 ranks, got {world_size}"
@@ -236,8 +237,13 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     on_cpu = device == "cpu" and not torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         rng = stack.enter_context(TrainingRngStandIn())
+        # Each module on the rank's GPU in a cuda run (the round trips' modules: placement).
+        stack.enter_context(placement.on("cpu" if on_cpu else "cuda"))
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
-            stack.enter_context(optimizer_path(apex=cfg.fused_adam))
-        return _run_phase(phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
+        if on_cpu or not cfg.fused_adam or not installed_fused_adam():
+            stack.enter_context(optimizer_path(apex=cfg.fused_adam))  # as the GPT job (gpt_job.worker)
+        out = _run_phase(phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
+        out["optimizer"] = path_in_use()
+        return out

@@ -16,8 +16,9 @@ What is *not* the real thing, and why:
   derive for the optimizer is built here from plain ``torch.distributed`` groups with the same
   membership. The checkpoint code under test (``MimoOptimizer.sharded_state_dict`` /
   ``load_state_dict`` and the inner optimizers') is the real code.
-* On CPU the worker's shims (``testing/_cpu_shims.py``) make ``torch.cuda.current_device()`` the CPU
-  so DDP's buffers and the optimizer's state land there. Apex/TransformerEngine are absent, so the
+* On a CPU host the worker's shims (``testing/_cpu_shims.py``) make ``torch.cuda.current_device()``
+  the CPU so DDP's buffers and the optimizer's state land there; ``device="cuda"`` puts each module
+  on the rank's GPU instead, with no shims. Apex/TransformerEngine are absent, so the
   inner optimizer is ``torch.optim.AdamW`` behind ``DistributedOptimizer`` (its documented fallback).
 * The optimizer state is produced by one real AdamW step on the main-parameter shards, then
   overwritten with deterministic per-rank values (and the param groups get seed-dependent lr, betas,
@@ -38,6 +39,7 @@ what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` recei
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import warnings
 import zlib
@@ -45,6 +47,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ....testing import placement
 from ....testing.compare import max_abs_delta
 from ....testing.result import RoundTrip
 from ....testing.states import ON, fix_states
@@ -204,7 +207,7 @@ def module_model(layout, distributed):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = _config()
-    tower = _tower_class()(config, layout.pgs.tp, _WIDTH[layout.module])
+    tower = _tower_class()(config, layout.pgs.tp, _WIDTH[layout.module]).to(placement.device())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, bucket_size=None)
     return DistributedDataParallel(config, ddp_config, tower, pg_collection=layout.pgs)
 
@@ -447,7 +450,7 @@ def _round_trip():
     rt = RoundTrip(
         rank_errors=None,
         bad_groups=[],
-        device="cpu",
+        device=None,
         module=None,
         tp_rank=None,
         sharding_type=None,
@@ -511,10 +514,10 @@ def prepare() -> None:
 
 
 def _scenario(body, patched, device):
-    if device != "cpu":
-        raise ValueError(f"mimo_optimizer scenarios run on CPU/gloo only; device {device!r} asked")
     rt = _round_trip()
-    with _cuda_to_cpu_mode(), rt.running():
+    on_cpu = device == "cpu" and not torch.cuda.is_available()
+    with placement.on(device), _cuda_to_cpu_mode() if on_cpu else contextlib.nullcontext(), rt.running():
+        rt["device"] = str(placement.device())
         try:
             layout = _Layout()
             rt["module"], rt["tp_rank"] = layout.module, layout.tp_rank
