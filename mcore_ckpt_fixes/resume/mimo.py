@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..testing import gpt_job as job
+from ..testing.world_errors import WorldFailed
 
 SEED = job.SEED
 DROPOUT = 0.1
@@ -181,8 +182,8 @@ def _collective(fn, *args):
     """The round trips' save or load; a failure on any rank is raised on every rank (one line)."""
     try:
         return fn(*args)
-    except _mimo()._Failed as failed:
-        per_rank = ", ".join(f"rank {r}" for r, e in enumerate(failed.per_rank) if e)
+    except WorldFailed as failed:
+        per_rank = ", ".join(f"rank {r}" for r, e in enumerate(failed.rank_errors) if e)
         error = " ".join(failed.error.split())
         raise _Failed(f"{failed.phase} (raised on {per_rank}): {error}") from None
 

@@ -35,8 +35,6 @@ one rank inside DCP's collectives leaves the others waiting, and they learn its 
 from __future__ import annotations
 
 import os
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -46,6 +44,7 @@ from ....testing.dist_optimizer import Shape, build, full_state, placed, request
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
+from ....testing.world_errors import WorldFailed, shared, through_files
 from .. import ID, MODULE
 
 STEPS = 2
@@ -86,58 +85,17 @@ def error_line(exc) -> str:
     return PLAN_REJECTED if line.startswith(PLAN_REJECTED) else line
 
 
-class WorldFailed(Exception):
-    """The world's first failure, as every rank reports it."""
-
-    def __init__(self, phase, error, rank_errors):
-        super().__init__(error)
-        self.phase, self.error, self.rank_errors = phase, error, rank_errors
-
-
 def _before_collectives(rt, phase, fn):
     """``fn()`` on every rank, whose failure on any rank ends the case on every rank."""
     rt.phase(phase)
-    out, mine = None, None
-    try:
-        out = fn()
-    except Exception as exc:  # noqa: BLE001 - shared with the world, recorded below
-        mine = error_line(exc)
-        rt["rank_traceback"] = traceback.format_exc()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    first = next((e for e in everyone if e is not None), None)
-    if first is not None:
-        raise WorldFailed(phase, first, everyone)
-    return out
+    return shared(phase, fn, line=error_line)
 
 
 def _inside_collectives(rt, phase, fn, case_dir):
     """``fn()``, a step whose failure on one rank can leave the others waiting in a collective until
-    that rank's process ends: a failing rank writes its error to ``failed.rank<N>`` first, and the
-    world's first failure is the lowest rank's file."""
+    that rank's process ends: the world's first failure is shared through files."""
     rt.phase(phase)
-    try:
-        return fn()
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
-            raise
-        rank, size = dist.get_rank(), dist.get_world_size()
-        rt["rank_traceback"] = traceback.format_exc()
-        with open(os.path.join(case_dir, f"failed.rank{rank}"), "w") as f:
-            f.write(error_line(exc))
-        everyone = [_read_failure(case_dir, r, wait=r < rank) for r in range(size)]
-        raise WorldFailed(phase, next(e for e in everyone if e is not None), everyone) from exc
-
-
-def _read_failure(case_dir, rank, wait):
-    path = os.path.join(case_dir, f"failed.rank{rank}")
-    deadline = time.monotonic() + (10.0 if wait else 0.0)
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read()
+    return through_files(phase, fn, case_dir, line=error_line)
 
 
 def _layout(optimizer_sd):
@@ -198,6 +156,8 @@ def run_case(name, ckpt_dir, patched):
             rt.compare(reference, full_state(target, target_opt), prefix="next/")
         except WorldFailed as failed:
             rt["rank_errors"] = failed.rank_errors
+            if failed.traceback:
+                rt["rank_traceback"] = failed.traceback
             rt.record(failed, phase=failed.phase)
             rt["raw_error"] = failed.error
     return rt.result

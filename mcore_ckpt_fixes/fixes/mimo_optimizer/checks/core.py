@@ -40,7 +40,6 @@ what), plus ``sharding_type`` (what each module's ``DistributedOptimizer`` recei
 from __future__ import annotations
 
 import contextlib
-import traceback
 import warnings
 import zlib
 
@@ -51,6 +50,7 @@ from ....testing import placement
 from ....testing.compare import max_abs_delta
 from ....testing.result import RoundTrip
 from ....testing.states import ON, fix_states
+from ....testing.world_errors import WorldFailed, shared
 from .. import ID, MODULE as TARGET
 
 MODULES = ("language", "vision")
@@ -327,38 +327,10 @@ def _compare(expected, got):
 # -- world-level error sharing ----------------------------------------------------------------------
 
 
-def _world_first_error(phase, exc):
-    """Every rank learns the first (lowest-rank) failure of this step; returns (phase, error, per-rank)."""
-    mine = None if exc is None else (phase, f"{type(exc).__name__}: {exc}")
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    first = next((e for e in everyone if e is not None), None)
-    return first, [e[1] if e else None for e in everyone]
-
-
-class _Failed(Exception):
-    def __init__(self, phase, error, per_rank):
-        super().__init__(error)
-        self.phase, self.error, self.per_rank = phase, error, per_rank
-
-
 def _step(phase, fn, *args, **kwargs):
-    """Run one collective step on every rank; if any rank failed, every rank raises _Failed."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    out, exc, tb = None, None, None
-    try:
-        out = fn(*args, **kwargs)
-    # torch DCP's CheckpointException derives from BaseException: it is a rank's failure too.
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported as the world's result
-        exc = e
-        tb = traceback.format_exc()
-    first, per_rank = _world_first_error(phase, exc)
-    if first is not None:
-        failed = _Failed(first[0], first[1], per_rank)
-        failed.traceback = tb if exc is not None else None
-        raise failed
-    return out
+    """Run one collective step on every rank; if any rank failed, every rank raises the world's
+    first failure (:class:`~mcore_ckpt_fixes.testing.world_errors.WorldFailed`)."""
+    return shared(phase, fn, *args, **kwargs)
 
 
 def _metadata(sharding_type):
@@ -444,7 +416,7 @@ def _load(built, ckpt_dir, sharding_type):
 def _round_trip():
     """This rank's :class:`RoundTrip` with the fields every mimo-optimizer scenario reports.
 
-    A world failure (:class:`_Failed`) is recorded as the world's first error (see
+    A world failure (:class:`WorldFailed`) is recorded as the world's first error (see
     :func:`_record_world_failure`); anything else raised on this rank, outside a collective step, is
     recorded by the RoundTrip in phase ``setup`` (the only phase set here: the steps name theirs)."""
     rt = RoundTrip(
@@ -464,8 +436,8 @@ def _round_trip():
 def _record_world_failure(rt, failed):
     """The world's first failure, the same on every rank; ``traceback`` only where this rank raised it."""
     rt.fail(failed.error, phase=failed.phase)
-    rt["rank_errors"] = failed.per_rank
-    if getattr(failed, "traceback", None):
+    rt["rank_errors"] = failed.rank_errors
+    if failed.traceback:
         rt["traceback"] = failed.traceback
 
 
@@ -523,7 +495,7 @@ def _scenario(body, patched, device):
             rt["module"], rt["tp_rank"] = layout.module, layout.tp_rank
             rt["fix_state"] = _fix_state(patched)
             body(layout, rt)
-        except _Failed as failed:
+        except WorldFailed as failed:
             _record_world_failure(rt, failed)
     return rt.result
 
