@@ -6,7 +6,7 @@
 * :mod:`.compare`: tensor comparison; :mod:`.meshes`: CPU device meshes; :mod:`.states`: the fix
   state a world must run under; :mod:`.launcher`, :mod:`.worker`: worlds of ranks with a deadline;
   :mod:`.placement`: the device a scenario's tensors live on; :mod:`.world_errors`: one failure
-  reported alike by every rank;
+  reported alike by every rank.
 
 Private, installed only inside the worlds the tests and ``selftest`` start (they replace modules in
 ``sys.modules`` or other packages' globals): :mod:`._standins` (``mamba_ssm``, Transformer Engine for
