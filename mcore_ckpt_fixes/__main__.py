@@ -65,7 +65,7 @@ def _build_parser() -> "_Parser":
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: gloo, forked ranks (default); cuda: NCCL, spawned ranks, one GPU each",
+        help="cpu: gloo, forked ranks (default); cuda: NCCL, one GPU per rank",
     )
     p_self.add_argument(
         "--nproc",

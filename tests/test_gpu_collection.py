@@ -97,3 +97,14 @@ def test_known_bug_reproduction_runs_up_to_the_gpu(tmp_path, mcore_version):
     )
     assert r["phase"] == "build" and "CUDA" in r["error"], (r["phase"], r["error"], r.get("traceback"))
     assert "in get_model" in r["traceback"] and "torch/cuda" in r["traceback"], r["traceback"]
+
+
+def test_fixes_kept_alongside_are_fixes():
+    """A scenario's ``alongside`` (fixes on in its fix-off half, there and in selftest) names
+    registered fixes other than its own; without any, the half turns every fix off."""
+    from mcore_ckpt_fixes.testing import all_scenarios
+
+    fixes = ENGINE.discover()
+    for s in all_scenarios():
+        assert all(f in fixes and f != s.fix_id for f in s.alongside), (s.id, s.alongside)
+        assert s.off_env() == {"MCORE_CKPT_FIXES": ",".join(s.alongside) or "off"}, s.id

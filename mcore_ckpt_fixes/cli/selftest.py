@@ -1,15 +1,16 @@
 """``selftest``: run every fix's round trips on this stack, with the fix off and on, and say what happened.
 
 For each registered fix: whether this release needs it (the engine's verdict with default flags,
-as ``status`` shows it), then per scenario its fix declares (:mod:`mcore_ckpt_fixes.testing`) one world with the
-fix off (``MCORE_CKPT_FIXES=off``: on a release that needs the fix the documented bug must show)
-and one with it on (every tensor must come back exactly on every rank). Exit 0 only when every
+as ``status`` shows it), then per scenario its fix declares (:mod:`mcore_ckpt_fixes.testing`) one
+world with the fix off (``MCORE_CKPT_FIXES=off``, or on for only the fixes the scenario needs
+``alongside``: on a release that needs the fix the documented bug must show) and one with it on (every tensor must come back exactly on every rank). Exit 0 only when every
 fix this release needs (or might need: its state could not be decided) has run every scenario
 exactly with the fix on; a skipped scenario is never a pass. Fixes registered but not implemented
 yet are listed as such and are not checked.
 
 ``--device cpu``: gloo worlds of ranks forked from this (warm) process, with the CPU shims applied
-in the ranks only. ``--device cuda``: NCCL worlds of spawned workers, one GPU per rank. The CUDA
+in the ranks only. ``--device cuda``: NCCL worlds, one GPU per rank (forked from here where a fork can still use
+the GPU, else spawned workers). The CUDA
 path has not been run on a GPU by this project's CI (its hosts have none): it is written to the
 same contract, and says what it skipped and why.
 

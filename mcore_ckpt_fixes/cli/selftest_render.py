@@ -58,7 +58,7 @@ def verdict_text(e) -> str:
 
 
 def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
-    how = "gloo, forked ranks" if device == "cpu" else "nccl, spawned ranks, one GPU each"
+    how = "gloo, forked ranks" if device == "cpu" else "nccl, one GPU per rank"
     print(
         f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__} selftest: {info.describe()}; "
         f"torch {torch_version}; --device {device} ({how}), "

@@ -51,8 +51,10 @@ def captured(log_path: str):
 
 
 def world(scenario, patched, device, nproc, run_world):
-    backend, method = ("gloo", "fork") if device == "cpu" else ("nccl", "spawn")
-    env = {flags.GLOBAL_VAR: "auto" if patched else "off"}
+    from mcore_ckpt_fixes.testing.launcher import cuda_method
+
+    backend, method = ("gloo", "fork") if device == "cpu" else ("nccl", cuda_method())
+    env = {flags.GLOBAL_VAR: "auto"} if patched else scenario.off_env()
     ckpt_dir = tempfile.mkdtemp(prefix="mcore-ckpt-fixes-selftest-")
     start = time.monotonic()
     try:

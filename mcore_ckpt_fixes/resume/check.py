@@ -20,7 +20,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-from ..testing.launcher import run_world
+from ..testing.launcher import cuda_method, run_world
 from .configs import CONFIGS
 
 MODES = {"on": {"MCORE_CKPT_FIXES": "auto"}, "off": {"MCORE_CKPT_FIXES": "off"}}
@@ -71,9 +71,9 @@ def _peer_lost(error) -> bool:
 
 def _world(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
-    # CUDA state does not survive a fork: on a GPU the ranks are fresh interpreters (gloo still,
-    # so that several ranks may share one GPU).
-    method = "spawn" if device == "cuda" else "fork"
+    # On a GPU: forked where a fork can still use the GPU, else fresh interpreters (gloo still, so
+    # that several ranks may share one GPU).
+    method = cuda_method() if device == "cuda" else "fork"
     results = run_world(cfg.job, cfg.world, kwargs, timeout=timeout, env=env, backend="gloo", method=method)
     # A rank whose peer failed reports the lost connection; the peer's own error is the cause.
     failed = sorted((r for r in results if not r.ok), key=lambda r: _peer_lost(r.error))

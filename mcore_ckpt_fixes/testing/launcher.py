@@ -4,8 +4,8 @@ Two ways to start ranks:
 
 * ``fork`` (CPU/gloo default): children of a parent that already imported torch and Megatron-Core,
   so a fresh world costs milliseconds instead of the 15 s of importing everything again.
-* ``spawn``: fresh interpreters (``python -m mcore_ckpt_fixes.testing.worker``); required for CUDA,
-  whose state does not survive a fork.
+* ``spawn``: fresh interpreters (``python -m mcore_ckpt_fixes.testing.worker``); for CUDA where
+  this process cannot hand a fork a usable GPU (:func:`cuda_method` decides).
 
 Every world has a deadline: when one rank dies before a collective the others would wait forever,
 so the parent kills the whole world at the deadline and reports which ranks never finished.
@@ -36,6 +36,40 @@ class RankResult:
 
 class WorldError(AssertionError):
     """At least one rank failed, crashed or timed out."""
+
+
+def cuda_method() -> str:
+    """How to start ranks that will use CUDA: ``fork`` from this warm process (no import of torch
+    and Megatron again: most of a world's cost) where a forked child can still initialise CUDA on
+    its own, else ``spawn``. A fork inherits no CUDA state: it cannot be used once this process
+    initialised CUDA, nor where the driver was initialised here some other way (a device count
+    asked of the runtime, say), which only a child can tell. So each call forks a child that puts
+    one tensor on the GPU and exits: ``fork`` only if it could."""
+    torch = sys.modules.get("torch")
+    if sys.platform == "win32" or torch is None or torch.cuda.is_initialized():
+        return "spawn"
+    pid = os.fork()
+    if pid == 0:  # child: never returns into the caller's stack
+        code = 1
+        try:
+            torch.zeros(1, device="cuda")
+            torch.cuda.synchronize()
+            code = 0
+        except BaseException:
+            pass
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60.0  # a child stuck in the driver is a no as well
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "fork" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "spawn"
+        if time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "spawn"
+        time.sleep(0.05)
 
 
 def free_port() -> int:

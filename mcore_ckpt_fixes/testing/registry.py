@@ -125,6 +125,9 @@ class Scenario:
     ``(rank, world_size, ckpt_dir, patched, device="cpu", names=None) -> {scenario name: result}``
     (each result as ``func`` returns it alone), or None. A run of many scenarios (the GPU check)
     starts one world per half for all the scenarios of a fix that name the same ``batch``.
+
+    ``alongside``: fix ids kept on in the fix-off half, where without them this release stops
+    before anything this fix changes (each a bug of its own); every other fix is off there.
     """
 
     __slots__ = (
@@ -140,6 +143,7 @@ class Scenario:
         "requires",
         "applicable",
         "batch",
+        "alongside",
     )
 
     def __init__(
@@ -156,6 +160,7 @@ class Scenario:
         requires=(),
         applicable=None,
         batch=None,
+        alongside=(),
     ):
         self.fix_id = fix_id
         self.name = name
@@ -169,6 +174,7 @@ class Scenario:
         self.requires = tuple(requires)
         self.applicable = applicable  # "module:function" -> None, or why this release cannot run it
         self.batch = batch
+        self.alongside = tuple(alongside)
 
     def absent(self):
         """The first of ``requires`` (``"module:attribute"`` or ``"module:Class.attribute"``: the Megatron feature the scenario
@@ -200,6 +206,12 @@ class Scenario:
             if version is not None and version in SpecifierSet(spec, prereleases=True):
                 return bug
         return None
+
+    def off_env(self) -> dict:
+        """The environment of the fix-off half: every fix off but ``alongside``."""
+        from ..engine.flags import GLOBAL_VAR
+
+        return {GLOBAL_VAR: ",".join(self.alongside) or "off"}
 
     @property
     def id(self) -> str:

@@ -81,3 +81,19 @@ def test_a_taken_rendezvous_port_starts_the_world_again(monkeypatch):
         taken.close()
     assert not ports, "the taken port was never handed out"
     assert res == values(run_world("world_scenarios:allreduce_rank", 2, timeout=60))
+
+
+def test_cuda_worlds_fork_only_where_a_forked_child_can_use_the_gpu(monkeypatch):
+    """``cuda_method``: ``fork`` only if a forked child could put a tensor on the GPU (there is none
+    here, so the child fails and the answer is ``spawn``), and ``spawn`` without asking once this
+    process initialised CUDA (a fork would inherit unusable CUDA state)."""
+    import torch
+
+    from mcore_ckpt_fixes.testing import launcher
+
+    assert not torch.cuda.is_available()
+    assert launcher.cuda_method() == "spawn"
+    forks = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(launcher.os, "fork", lambda: forks.append(1) or 0)
+    assert launcher.cuda_method() == "spawn" and not forks

@@ -18,7 +18,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from mcore_ckpt_fixes import known_bugs
-from mcore_ckpt_fixes.testing.launcher import run_world, values
+from mcore_ckpt_fixes.testing.launcher import cuda_method, run_world, values
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def test_mfsdp_no_load_optim_as_catalogued(mcore_version, capsys):
             1,
             {"ckpt_dir": tempfile.mkdtemp(), "device": "cuda"},
             backend="nccl",
-            method="spawn",
+            method=cuda_method(),
             timeout=300,
         )
     )

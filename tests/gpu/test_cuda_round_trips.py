@@ -24,7 +24,7 @@ import tempfile
 import pytest
 
 from mcore_ckpt_fixes.engine.registry import ENGINE
-from mcore_ckpt_fixes.testing.launcher import WorldError, run_world, values
+from mcore_ckpt_fixes.testing.launcher import WorldError, cuda_method, run_world, values
 from mcore_ckpt_fixes.testing import all_scenarios, resolve
 
 pytestmark = pytest.mark.gpu
@@ -81,18 +81,17 @@ def _start(scenario, done):
             resolve(s.prepare)()
     backend = _backend(scenario.nproc)
     for patched in (False, True):
-        env = {} if patched else {"MCORE_CKPT_FIXES": "off"}
+        env = {} if patched else scenario.off_env()  # one fix's batch: one off_env
         kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": "cuda"}
         if scenario.batch is not None:
             kwargs["names"] = [s.name for s in together]
-        # spawn: importing Megatron here may already have initialised CUDA, which a fork cannot inherit.
         ranks = values(
             run_world(
                 scenario.batch or scenario.func,
                 scenario.nproc,
                 kwargs,
                 backend=backend,
-                method="spawn",
+                method=cuda_method(),  # fork where a forked rank can still use the GPU, else spawn
                 env=env,
                 timeout=sum(s.timeout for s in together),
             )
