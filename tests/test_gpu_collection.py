@@ -95,8 +95,9 @@ def test_known_bug_reproduction_runs_up_to_the_gpu(tmp_path, mcore_version):
             timeout=240,
         )
     )
-    assert r["phase"] == "build" and "CUDA" in r["error"], (r["phase"], r["error"], r.get("traceback"))
-    assert "in get_model" in r["traceback"] and "torch/cuda" in r["traceback"], r["traceback"]
+    # Where in torch.cuda it stops, and its words, depend on the host (no driver, an old one).
+    assert r["phase"] == "build", (r["phase"], r["error"], r.get("traceback"))
+    assert "in get_model" in r["traceback"] and "torch/cuda/" in r["traceback"], r["traceback"]
 
 
 def test_fixes_kept_alongside_are_fixes():
