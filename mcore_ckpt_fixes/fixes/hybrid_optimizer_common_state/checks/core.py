@@ -26,7 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, request, step, world
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, placed, request, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401
 from ....testing.offload import build_offloaded, offload_path, offloaded_state
 from ....testing.result import RoundTrip, error_line
@@ -126,7 +126,7 @@ def _param_groups(state_dict):
 def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
     """Both cases in one world: ``{case: result}``."""
     out = {}
-    with world(), offload_path() as mode:
+    with world(device), offload_path() as mode:
         results = {
             name: RoundTrip(refusal_line, case=name, steps=STEPS) for name in ("round_trip", "legacy_common_state")
         }
@@ -143,7 +143,7 @@ def cases(rank, world_size, ckpt_dir, patched, device="cpu"):
             if source is None:
                 raise AssertionError("the source run did not save")
             _legacy(rt, source, ckpt_dir)
-        out = {name: r.result for name, r in results.items()}
+        out = {name: placed(r.result) for name, r in results.items()}
     return out
 
 

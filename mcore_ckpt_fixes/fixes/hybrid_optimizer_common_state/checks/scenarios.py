@@ -21,7 +21,6 @@ SCENARIOS = (
         2,
         {">=0.15.0,<=0.19.2": REFUSED},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="the common state of a hybrid optimizer's fully_reshardable save (0.15-0.18), read back",
     ),
 )

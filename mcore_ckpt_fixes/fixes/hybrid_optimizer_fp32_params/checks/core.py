@@ -38,6 +38,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ....testing import placement
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, values, world
 from ....testing.offload import on_device
 from ....testing.result import RoundTrip, error_line
@@ -81,6 +82,7 @@ def build_model(seed, case, device):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
+    gpt.to(placement.device())  # the rank's GPU in a cuda world (on_device then stands in for nothing)
     model = DistributedDataParallel(
         config, DistributedDataParallelConfig(), Float16Module(config, gpt) if float16_module else gpt
     )
@@ -200,19 +202,19 @@ def run_case(name, ckpt_dir, patched, device):
     return rt.result
 
 
-def _world_cases(names, ckpt_dir, patched):
+def _world_cases(names, ckpt_dir, patched, device="cpu"):
     out = {}
-    with world(), on_device() as device:
+    with world(device), on_device() as mode:
         for name in names:
-            out[name] = run_case(name, ckpt_dir, patched, device)
+            out[name] = placement.placed(run_case(name, ckpt_dir, patched, mode))
     return out
 
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
-    """Every case in one world: ``{case: result}``."""
-    return _world_cases(names or CASES, ckpt_dir, patched)
+    """Several cases in one world (``names``, default every case): ``{case: result}``."""
+    return _world_cases(names or CASES, ckpt_dir, patched, device)
 
 
 def fp32(rank, world_size, ckpt_dir, patched, device="cpu"):
     """The selftest scenario: the fp32 model alone."""
-    return _world_cases(("fp32",), ckpt_dir, patched)["fp32"]
+    return _world_cases(("fp32",), ckpt_dir, patched, device)["fp32"]

@@ -22,7 +22,6 @@ SCENARIOS = (
         2,
         {">=0.12.0,<=0.19.2": FP32_KEYERROR},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc="an fp32 GPT, get_megatron_optimizer with optimizer_cpu_offload (no distributed optimizer): state_dict saved and loaded",
     ),
 )

@@ -51,6 +51,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ....testing import placement
 from ....testing._fused_adam import optimizer_path
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, values, world
 from ....testing.offload import on_device, precision_aware_without_te
@@ -97,6 +98,7 @@ def build(seed, case, device):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
+    gpt.to(placement.device())  # the rank's GPU in a cuda world (on_device then stands in for nothing)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), gpt)
     if device is not None:
         device.register(model.module.parameters())
@@ -276,21 +278,21 @@ def run_case(case, ckpt_dir, patched, device, round_trips=True):
     return rt.result
 
 
-def _world_cases(names, ckpt_dir, patched, round_trips=True):
+def _world_cases(names, ckpt_dir, patched, round_trips=True, device="cpu"):
     out = {}
-    with world(), precision_aware_without_te(), optimizer_path(apex=True), on_device() as device:
+    with world(device), precision_aware_without_te(), optimizer_path(apex=True), on_device() as mode:
         for name in names:
-            out[name] = run_case(name, ckpt_dir, patched, device, round_trips)
+            out[name] = placement.placed(run_case(name, ckpt_dir, patched, mode, round_trips))
     return out
 
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
-    """Every case in one world: ``{case: result}``."""
-    return _world_cases(names or CASES, ckpt_dir, patched)
+    """Several cases in one world (``names``, default every case): ``{case: result}``."""
+    return _world_cases(names or CASES, ckpt_dir, patched, device=device)
 
 
 def fp32(rank, world_size, ckpt_dir, patched, device="cpu"):
     """The selftest scenario: the fp32 model built and trained, not saved. Its checkpoint round trips
     also need hybrid-optimizer-fp32-params (the load) and, for dp_reshardable, the stale-step fix:
     the fix test runs them with every fix at its default."""
-    return _world_cases(("fp32",), ckpt_dir, patched, round_trips=False)["fp32"]
+    return _world_cases(("fp32",), ckpt_dir, patched, round_trips=False, device=device)["fp32"]

@@ -24,7 +24,6 @@ SCENARIOS = (
         2,
         {">=0.12.0,<=0.19.2": NON_LEAF},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         doc=(
             "an fp32 GPT, get_megatron_optimizer with the distributed optimizer and optimizer_cpu_offload: "
             "built, two steps equal to the same AdamW computed apart"

@@ -62,7 +62,7 @@ SCENARIOS = (
         2,
         {">=0.16.0,<=0.19.2": STALE_STEP_BUG},
         prepare=_PREPARE,
-        devices=("cpu",),  # CPU stand-ins of the GPU-side optimizer (testing.offload)
+        batch=f"{_CORE}:cases",
         requires=(
             f"{MODULE}:DistributedOptimizer.sharded_param_state_dp_reshardable",
             f"{MODULE}:HybridDeviceOptimizer",
