@@ -51,7 +51,10 @@ for job in "${jobs[@]}"; do
   IFS=: read -r rel name tests <<< "$job"
   left_s=$(( BUDGET - ($(date +%s) - start) ))
   echo "=== Megatron-Core $rel: $tests (log $OUT/$name.log, $left_s s) ==="
+  # PYTORCH_NVML_BASED_CUDA_CHECK: torch.cuda.is_available() in the parent asks NVML, not the CUDA
+  # driver, so that its worlds can be forked (testing/launcher.py, cuda_method).
   PYTHONPATH="/tmp/mcore-gpu-$rel:$PWD" MCORE_CKPT_FIXES_GPU_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 \
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 \
     timeout "$left_s" python3 -m pytest -p no:cacheprovider -m gpu -q -rA $tests \
     --junitxml "$OUT/$name.xml" > "$OUT/$name.log" 2>&1 &
   pids+=("$!")
