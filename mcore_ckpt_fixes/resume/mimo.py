@@ -230,7 +230,7 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     """One rank of one run, as :func:`.job.run` (the same phases, the same result)."""
     from ..testing import placement
     from ..testing._cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ..testing._fused_adam import installed_fused_adam, optimizer_path, path_in_use
+    from ..testing._fused_adam import job_path, path_in_use
     from ..testing._rng_standin import TrainingRngStandIn
 
     assert world_size == cfg.world == 2, f"{cfg.name} runs on 2 ranks, got {world_size}"
@@ -243,8 +243,7 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
-        if on_cpu or not cfg.fused_adam or not installed_fused_adam():
-            stack.enter_context(optimizer_path(apex=cfg.fused_adam))  # as the GPT job (gpt_job.worker)
+        stack.enter_context(job_path(cfg.fused_adam, on_cpu))
         out = _run_phase(phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
         out["optimizer"] = path_in_use()
         return out

@@ -109,11 +109,21 @@ def optimizer_path(apex: bool):
             setattr(module, attr, value)
 
 
-def installed_fused_adam() -> bool:
+def _installed_fused_adam() -> bool:
     """Whether this host has a FusedAdam Megatron takes of its own (Apex's or Transformer Engine's)."""
     import importlib.util
 
     return any(importlib.util.find_spec(name) is not None for name in ("apex", "transformer_engine"))
+
+
+def job_path(fused_adam: bool, on_cpu: bool):
+    """The Adam a training job takes (``fused_adam``: Megatron's FusedAdam path, else torch's): on a
+    GPU host the installed Apex's or Transformer Engine's FusedAdam; a host with neither (any CPU
+    host, a GPU host they cannot be installed on) gets the stand-in, on the host's tensors.
+    :func:`path_in_use` says which one a run took."""
+    if on_cpu or not fused_adam or not _installed_fused_adam():
+        return optimizer_path(apex=fused_adam)
+    return contextlib.nullcontext()
 
 
 def path_in_use() -> str:
@@ -124,5 +134,4 @@ def path_in_use() -> str:
     adam = optimizer.Adam
     if adam is FusedAdam:
         return "FusedAdam stand-in"
-    package = adam.__module__.partition(".")[0]
-    return f"{package} {adam.__name__}" if package != "torch" else f"torch {adam.__name__}"
+    return f"{adam.__module__.partition('.')[0]} {adam.__name__}"

@@ -203,12 +203,20 @@ def _seed(args):
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed + 100 * mpu.get_pipeline_model_parallel_rank())
 
 
+def optimizer_config(args):
+    """Megatron's ``OptimizerConfig`` from the run's arguments (every field they name)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    return OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
 def _build(args, cfg):
     """Model, DDP wrapper, optimizer and scheduler, as ``setup_model_and_optimizer`` builds them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.training import arguments
     from megatron.training.training import get_optimizer_param_scheduler
@@ -227,9 +235,7 @@ def _build(args, cfg):
         pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
     )
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
-    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     if cfg.optimizer_requests != "megatron":
         _requests_as_trainers_build_them(optimizer, keep_metadata=cfg.optimizer_requests == "without-is-loading")
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
@@ -388,9 +394,6 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         # resumes, compared bit for bit with the release's own uninterrupted run (check.py).
         out["losses"].update(_train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))
     out["state"] = snapshot(model, optimizer, scheduler)
-    from ._fused_adam import path_in_use
-
-    out["optimizer"] = path_in_use()
     return out
 
 
@@ -411,9 +414,6 @@ def _resume(cfg, args, steps, resume_at, cpu_gen):
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
     out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
-    from ._fused_adam import path_in_use
-
-    out["optimizer"] = path_in_use()
     return out
 
 
@@ -481,7 +481,7 @@ def worker(cfg, device):
     """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
     the FusedAdam path; yields the CPU generator. Model-parallel state is destroyed on the way out."""
     from ._cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ._fused_adam import installed_fused_adam, optimizer_path
+    from ._fused_adam import job_path
     from ._rng_standin import TrainingRngStandIn
 
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
@@ -493,11 +493,7 @@ def worker(cfg, device):
             stack.enter_context(cpu_streams())
             if cfg.ep and cfg.tp > 1:
                 stack.enter_context(sequence_parallel_torch_norms())
-        if on_cpu or not cfg.fused_adam or not installed_fused_adam():
-            # On a GPU the FusedAdam path is the installed Apex's or Transformer Engine's; a host
-            # with neither (any CPU host, a GPU host they cannot be installed on) gets the stand-in,
-            # on the host's tensors. Each run records which path it took (``optimizer``).
-            stack.enter_context(optimizer_path(apex=cfg.fused_adam))
+        stack.enter_context(job_path(cfg.fused_adam, on_cpu))
         try:
             yield rng.cpu_generator()
         finally:
@@ -516,6 +512,10 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
     for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and
     its final state (:func:`snapshot`); ``save`` saves after ``resume_at`` steps and trains on to
     ``steps``, as a training run does."""
+    from ._fused_adam import path_in_use
+
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     with worker(cfg, device) as cpu_gen:
-        return _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen)
+        out = _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen)
+        out["optimizer"] = path_in_use()  # which Adam this run took (a GPU record says it)
+        return out

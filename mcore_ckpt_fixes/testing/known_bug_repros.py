@@ -52,14 +52,11 @@ def _provider(pre_process=True, post_process=True, vp_stage=None, config=None, p
 
 def _build(args):
     """Model (``get_model``: Megatron-FSDP's wrapper), distributed optimizer and scheduler."""
-    import dataclasses
-
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.training.training import get_model, get_optimizer_param_scheduler
 
     model = get_model(_provider)
-    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    optimizer = get_megatron_optimizer(OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields}), model)
+    optimizer = get_megatron_optimizer(job.optimizer_config(args), model)
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
 
 

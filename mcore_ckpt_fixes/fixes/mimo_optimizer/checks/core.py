@@ -327,12 +327,6 @@ def _compare(expected, got):
 # -- world-level error sharing ----------------------------------------------------------------------
 
 
-def _step(phase, fn, *args, **kwargs):
-    """Run one collective step on every rank; if any rank failed, every rank raises the world's
-    first failure (:class:`~mcore_ckpt_fixes.testing.world_errors.WorldFailed`)."""
-    return shared(phase, fn, *args, **kwargs)
-
-
 def _metadata(sharding_type):
     return {"distrib_optim_sharding_type": sharding_type}
 
@@ -351,20 +345,20 @@ def _save(built, ckpt_dir, sharding_type):
 
     # Every rank builds its state dict first: one that fails there must not leave the others in
     # the validation's collectives.
-    _step(
+    shared(
         "sharded_state_dict",
         built.mimo.sharded_state_dict,
         built.model_sharded_state_dict(),
         metadata=_metadata(sharding_type),
     )
-    _step("save", preflight)
-    sd = _step(
+    shared("save", preflight)
+    sd = shared(
         "sharded_state_dict",
         built.mimo.sharded_state_dict,
         built.model_sharded_state_dict(),
         metadata=_metadata(sharding_type),
     )
-    _step("save", dist_checkpointing.save, sd, ckpt_dir)
+    shared("save", dist_checkpointing.save, sd, ckpt_dir)
     dist.barrier()
 
 
@@ -387,8 +381,8 @@ def _load(built, ckpt_dir, sharding_type):
         sd, _ = extract_sharded_base(sd)
         validate_sharding_integrity(determine_global_metadata(sd)[1])
 
-    _step("load", preflight)
-    sd = _step(
+    shared("load", preflight)
+    sd = shared(
         "sharded_state_dict",
         built.mimo.sharded_state_dict,
         built.model_sharded_state_dict(),
@@ -397,8 +391,8 @@ def _load(built, ckpt_dir, sharding_type):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = _step("load", dist_checkpointing.load, sd, ckpt_dir)
-        _step("load_state_dict", built.mimo.load_state_dict, loaded)
+        loaded = shared("load", dist_checkpointing.load, sd, ckpt_dir)
+        shared("load_state_dict", built.mimo.load_state_dict, loaded)
     from mcore_ckpt_fixes.engine.errors import MegatronPatchWarning
 
     got = loaded.get(built.layout.module) or {}
@@ -551,7 +545,7 @@ def load_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="
 def _load_and_check(layout, rt, fresh, ckpt_dir, sharding_type):
     loaded_type, rt["warnings"] = _load(fresh, ckpt_dir, sharding_type)
     problems = _check_loaded(rt, fresh, sharding_type, loaded_type)
-    _step("compare", _raise_if, problems)
+    shared("compare", _raise_if, problems)
 
 
 def _raise_if(problems):
