@@ -2,13 +2,13 @@
 # The whole GPU check, in one command, on a GPU host prepared by tools/gpu_prepare.sh (run from the
 # repository root there, .gpu carried): for each release line's wheel, every scenario registered for
 # CUDA (tests/gpu/test_cuda_round_trips.py, both halves, one world per half for a fix's batch), the
-# catalogued bugs only a GPU shows (tests/gpu/test_cuda_known_bugs.py) and,
-# on the newest line, the resume check on CUDA (tests/gpu/test_cuda_resume.py), the lines side by
-# side, within a time budget (default 540 s, so the check ends inside a 10-minute command). Writes
-# to OUT (default .gpu/out):
+# catalogued bugs only a GPU shows (tests/gpu/test_cuda_known_bugs.py) and, on every line that ships
+# megatron.training (0.17.0 on), the resume check on CUDA (tests/gpu/test_cuda_resume.py), as jobs
+# side by side, within a time budget (default 540 s, so the check ends inside a 10-minute command).
+# Writes to OUT (default .gpu/out):
 #   device.json    the device, driver, torch and CUDA versions
 #   results.jsonl  one line per scenario and release line: both halves' outcome per rank
-#   <line>.xml     pytest's JUnit report per line (<newest>-resume.xml: the resume check), and its
+#   <line>.xml     pytest's JUnit report per line (<line>-resume.xml: the resume check), and its
 #                  log (<line>.log); summary.json: each test's outcome per line, and the jobs that
 #                  did not finish (the budget ran out, or the wheel did not install)
 # Exit 0 when every test that ran passed.
@@ -30,12 +30,11 @@ print(json.dumps({"gpus": smi, "torch": torch.__version__, "cuda": torch.version
                   "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}))
 PY
 wheels=(.gpu/wheels/megatron_core-*.whl)
-newest=$(printf '%s\n' "${wheels[@]}" | sed 's/.*megatron_core-\([^-]*\)-.*/\1/' | sort -V | tail -1)
 rc=0
 left=()
 # Each line's wheel in its own folder first (local wheels: seconds), then every line's tests at once:
 # a line is mostly its worlds' start-up on the CPU cores, and the host has cores to spare, so the
-# lines run side by side (the resume check on the newest line as a job of its own) rather than
+# lines run side by side (each line's resume check as a job of its own) rather than
 # one after another. Each job has the whole budget; one that runs out is named in summary.json.
 jobs=()
 for whl in "${wheels[@]}"; do
@@ -44,7 +43,8 @@ for whl in "${wheels[@]}"; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$whl" \
     || { rc=1; left+=("$rel"); continue; }
   jobs+=("$rel:$rel:tests/gpu/test_cuda_round_trips.py tests/gpu/test_cuda_known_bugs.py")
-  [ "$rel" = "$newest" ] && jobs+=("$rel:$rel-resume:tests/gpu/test_cuda_resume.py")
+  # The resume check needs megatron.training, in the wheel from 0.17.0 (0.16.1 would only skip it).
+  [ "$(printf '%s\n' 0.17.0 "$rel" | sort -V | head -1)" = 0.17.0 ] && jobs+=("$rel:$rel-resume:tests/gpu/test_cuda_resume.py")
 done
 pids=()
 for job in "${jobs[@]}"; do

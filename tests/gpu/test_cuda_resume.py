@@ -9,6 +9,7 @@ Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
 """
 
 import pytest
+import resume_expect as expect
 
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import CONFIGS
@@ -32,18 +33,22 @@ def test_cuda_resume_exact_with_the_fixes(cfg, capsys, mcore_version):
     from test_cuda_round_trips import record
 
     record({"resume": cfg.name, "release": str(mcore_version), "on": out["on"]["verdict"],
-            "off": out["off"]["verdict"], "needed_here": out.get("needed_here"),
+            "unchanged": out["on"].get("unchanged", {}).get("verdict"), "off": out["off"]["verdict"],
+            "off_error": out["off"].get("error"), "needed_here": out.get("needed_here"),
             "optimizer": out.get("optimizer")})  # fmt: skip
     with capsys.disabled():
         print(
             f"\n{cfg.name} on {torch.cuda.get_device_name(0)} ({out.get('optimizer')}): "
-            f"on {out['on']['verdict']}, off {out['off']['verdict']}"
+            f"on {out['on']['verdict']}, unchanged {out['on'].get('unchanged', {}).get('verdict')}, "
+            f"off {out['off']['verdict']}"
         )
-    if cfg.expect == resume.AS_RELEASE:  # held to the release's own resume: the same bits, or the same error
-        assert out["on"]["verdict"] == resume.AS_RELEASE, [w for w in out["on"]["ways"] if w["verdict"] != "as-release"]
+    # The same expectations as the CPU run (tests/resume_expect.py): with the fixes, exact (or the
+    # release's own resume, for options not meant to be exact) and a run that never resumes is the
+    # release's own bit for bit; without them, each needed fix's bug where the CPU run shows it.
+    expect.assert_unchanged_by_the_fixes(cfg, out)
+    if cfg.expect == resume.AS_RELEASE:
+        expect.assert_as_release_with_the_fixes(cfg, out)
+        expect.assert_release_resumes_as_each_option_says(cfg, out)
         return
-    assert out["on"]["verdict"] == "exact", (
-        out["on"].get("error") or out["on"].get("ways") or [r for r in out["on"]["ranks"] if not r["exact"]]
-    )
-    if out["needed_here"]:
-        assert out["off"]["verdict"] == "inexact", out["off"]
+    expect.assert_exact_with_the_fixes(cfg, out)
+    expect.assert_without_the_fixes(cfg, out)
