@@ -109,3 +109,56 @@ def test_fixes_kept_alongside_are_fixes():
     for s in all_scenarios():
         assert all(f in fixes and f != s.fix_id for f in s.alongside), (s.id, s.alongside)
         assert s.off_env() == {"MCORE_CKPT_FIXES": ",".join(s.alongside) or "off"}, s.id
+
+
+def _rank(error=None, phase="compare", delta=0.0, device="cuda:0"):
+    """One rank's result as a scenario reports it (what the judgement reads of it)."""
+    return {"phase": phase, "error": error, "max_delta": {"w": delta}, "n_tensors": 1, "device": device}
+
+
+def test_a_batch_world_is_as_large_as_its_largest_scenario():
+    """chained-optim's batch runs one_chunk (2 ranks) and two_chunks (4 ranks) in one world: 4 ranks,
+    as its CPU test runs them (in a 2-rank world two_chunks has no pipeline stage to load)."""
+    from cuda_round_trip_judge import world_of
+
+    together = for_fix("chained-optim-main-params-split")
+    assert sorted(s.nproc for s in together) == [2, 4]
+    assert world_of(together) == (4, sum(s.timeout for s in together))
+
+
+def test_the_judgement_holds_each_half_to_the_release():
+    """tests/gpu's judgement of one world, on results made up here: where the fix's release declares
+    the scenario's bug, the fix-off half must show it; where the release covers the fix but the
+    scenario round-trips exactly (param-group-identity's decoupled_lr from 0.19, the release matches
+    such groups itself), the fix-off half must be exact; the fix-on half must be exact on every rank,
+    on the device the check ran on."""
+    from cuda_round_trip_judge import assert_round_trip, bug_off
+
+    (decoupled,) = [s for s in for_fix("param-group-identity") if s.name == "decoupled_lr"]
+    bug = decoupled.bug_for(Version("0.18.2"))
+    shown = [_rank(bug.error, bug.phase), _rank(bug.error, bug.phase)]
+    exact = [_rank(), _rank()]
+    assert bug_off(decoupled, Version("0.19.2"), True) is None and bug_off(decoupled, Version("0.18.2"), False) is None
+    assert_round_trip(decoupled, Version("0.18.2"), True, shown, exact, "cuda")
+    assert_round_trip(decoupled, Version("0.19.2"), True, exact, exact, "cuda")
+    failing = [
+        (Version("0.18.2"), exact, exact, "cuda"),  # the declared bug did not show
+        (Version("0.19.2"), shown, exact, "cuda"),  # an error where the release round-trips exactly
+        (Version("0.19.2"), exact, [_rank(), _rank(delta=0.5)], "cuda"),  # the fix on, one rank off
+        (Version("0.19.2"), exact, [_rank(), _rank(device="cpu")], "cuda"),  # a tensor not on the GPU
+    ]
+    for version, off, on, device in failing:
+        with pytest.raises(AssertionError):
+            assert_round_trip(decoupled, version, True, off, on, device)
+
+
+def test_the_check_device_is_cuda_or_a_cpu_rehearsal(monkeypatch):
+    from cuda_round_trip_judge import DEVICE_VAR, device
+
+    monkeypatch.delenv(DEVICE_VAR, raising=False)
+    assert device() == "cuda"
+    monkeypatch.setenv(DEVICE_VAR, "cpu")
+    assert device() == "cpu"
+    monkeypatch.setenv(DEVICE_VAR, "gpu")
+    with pytest.raises(ValueError, match="MCORE_CKPT_FIXES_GPU_TEST_DEVICE='gpu': expected one of cuda, cpu"):
+        device()

@@ -12,20 +12,25 @@
 #                  log (<line>.log); summary.json: each test's outcome per line, and the jobs that
 #                  did not finish (the budget ran out, or the wheel did not install)
 # Exit 0 when every test that ran passed.
+#
+# GPU_CHECK_DEVICE=cpu rehearses the whole check on a host without a GPU (python3 a Python 3.12 with
+# torch; the same wheels, worlds, batches and judgement on CPU ranks): run it before a GPU host's
+# time is spent, so that what fails there is what only a GPU shows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-.gpu/out}}
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
+export MCORE_CKPT_FIXES_GPU_TEST_DEVICE=${GPU_CHECK_DEVICE:-cuda}
 mkdir -p "$OUT"
 start=$(date +%s)
 python3 - > "$OUT/device.json" <<'PY'
-import json, subprocess, torch
+import json, os, subprocess, torch
 try:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip().splitlines()
 except OSError as exc:  # no driver on this host
     smi = [f"nvidia-smi: {exc}"]
-print(json.dumps({"gpus": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
+print(json.dumps({"device": os.environ["MCORE_CKPT_FIXES_GPU_TEST_DEVICE"], "gpus": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
                   "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}))
 PY

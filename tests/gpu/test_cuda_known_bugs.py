@@ -17,6 +17,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from cuda_round_trip_judge import device
+
 from mcore_ckpt_fixes import known_bugs
 from mcore_ckpt_fixes.testing.launcher import cuda_method, run_world, values
 
@@ -29,6 +31,8 @@ MFSDP_ERROR = "NotImplementedError: Megatron-FSDP does not implement a model-to-
 def test_mfsdp_no_load_optim_as_catalogued(mcore_version, capsys):
     import torch
 
+    if device() == "cpu":
+        pytest.skip("a CPU rehearsal: tests/test_gpu_collection.py runs this reproduction up to its first CUDA call")
     if not torch.cuda.is_available():
         pytest.fail("pytest -m gpu was asked for, but CUDA is not available to this torch")
     if mcore_version < Version("0.17.0"):

@@ -5,11 +5,14 @@ tensors (configurations without it take torch's Adam); each record names the pat
 With the fixes every configuration resumes bit for bit; record the device and the result in
 docs/validation.md (GPU runs).
 
+``MCORE_CKPT_FIXES_GPU_TEST_DEVICE=cpu`` rehearses it on CPU ranks (tests/cuda_round_trip_judge.py).
+
 Deselected by default (pyproject addopts ``-m 'not gpu'``): CI has no GPU.
 """
 
 import pytest
 import resume_expect as expect
+from cuda_round_trip_judge import device
 
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import CONFIGS
@@ -21,24 +24,25 @@ pytestmark = pytest.mark.gpu
 def test_cuda_resume_exact_with_the_fixes(cfg, capsys, mcore_version):
     import torch
 
-    if not torch.cuda.is_available():
+    if device() == "cuda" and not torch.cuda.is_available():
         pytest.fail("pytest -m gpu was asked for, but CUDA is not available to this torch")
     why = resume.not_applicable()
     if why:
         pytest.skip(f"not applicable: {why}")
     resume.prepare()
-    out = resume.check(cfg, device="cuda")
+    out = resume.check(cfg, device=device())
     if "not_applicable" in out:  # e.g. the Bridge configuration where Megatron-Bridge is not installed
         pytest.skip(f"{cfg.name} not applicable: {out['not_applicable']}")
     from test_cuda_round_trips import record
 
-    record({"resume": cfg.name, "release": str(mcore_version), "on": out["on"]["verdict"],
+    record({"resume": cfg.name, "release": str(mcore_version), "device": device(), "on": out["on"]["verdict"],
             "unchanged": out["on"].get("unchanged", {}).get("verdict"), "off": out["off"]["verdict"],
             "off_error": out["off"].get("error"), "needed_here": out.get("needed_here"),
             "optimizer": out.get("optimizer")})  # fmt: skip
+    where = torch.cuda.get_device_name(0) if device() == "cuda" else "cpu (rehearsal)"
     with capsys.disabled():
         print(
-            f"\n{cfg.name} on {torch.cuda.get_device_name(0)} ({out.get('optimizer')}): "
+            f"\n{cfg.name} on {where} ({out.get('optimizer')}): "
             f"on {out['on']['verdict']}, unchanged {out['on'].get('unchanged', {}).get('verdict')}, "
             f"off {out['off']['verdict']}"
         )
