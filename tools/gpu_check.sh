@@ -11,6 +11,7 @@
 #   <line>.xml     pytest's JUnit report per line (<line>-resume.xml: the resume check), and its
 #                  log (<line>.log); summary.json: each test's outcome per line, and the jobs that
 #                  did not finish (the budget ran out, or the wheel did not install)
+#   GPU_CHECK_ARCHIVE=FILE  also packs OUT into one .tar.gz (a device run that returns few files)
 # Exit 0 when every test that ran passed.
 #
 # GPU_CHECK_DEVICE=cpu rehearses the whole check on a host without a GPU (python3 a Python 3.12 with
@@ -85,4 +86,8 @@ for path in sorted(glob.glob(os.path.join(out, "*.xml"))):
 print(json.dumps(summary, indent=1))
 PY
 echo "gpu_check: exit $rc after $(( $(date +%s) - start )) s; results in $OUT (not finished: ${left[*]:-none})"
+# One archive of OUT for a host that hands back only a few files (the device tool: eight).
+if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
+  tar czf "$GPU_CHECK_ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "gpu_check: archive $GPU_CHECK_ARCHIVE"
+fi
 exit $rc
