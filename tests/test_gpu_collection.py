@@ -162,3 +162,31 @@ def test_the_check_device_is_cuda_or_a_cpu_rehearsal(monkeypatch):
     monkeypatch.setenv(DEVICE_VAR, "gpu")
     with pytest.raises(ValueError, match="MCORE_CKPT_FIXES_GPU_TEST_DEVICE='gpu': expected one of cuda, cpu"):
         device()
+
+
+def test_gpu_runs_of_the_resume_jobs_take_deterministic_kernels(monkeypatch):
+    """The resume check compares two runs bit for bit: in a GPU run its jobs (gpt_job.worker,
+    resume/mimo.py) take torch's deterministic kernels and cuBLAS's deterministic workspace, as
+    Megatron's --deterministic-mode does, and leave both as they were; a CPU run changes neither.
+    (The flags only: what they do to CUDA kernels only a GPU run shows.)"""
+    import torch
+
+    from mcore_ckpt_fixes.testing.placement import CUBLAS_WORKSPACE, deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    with deterministic_kernels(on_gpu=False):
+        assert torch.are_deterministic_algorithms_enabled() == before[0]
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with deterministic_kernels(on_gpu=True):
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+    assert (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) == before
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    src = {m: inspect.getsource(resolve(m)) for m in ("mcore_ckpt_fixes.testing.gpt_job:worker",
+                                                      "mcore_ckpt_fixes.resume.mimo:run")}  # fmt: skip
+    for name, text in src.items():
+        assert "deterministic_kernels(on_gpu=not on_cpu)" in text, name

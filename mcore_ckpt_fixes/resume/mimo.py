@@ -240,6 +240,7 @@ def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
         rng = stack.enter_context(TrainingRngStandIn())
         # Each module on the rank's GPU in a cuda run (the round trips' modules: placement).
         stack.enter_context(placement.on("cpu" if on_cpu else "cuda"))
+        stack.enter_context(placement.deterministic_kernels(on_gpu=not on_cpu))  # runs compared bit for bit
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())

@@ -483,11 +483,13 @@ def worker(cfg, device):
     from ._cpu_shims import cpu_streams, cuda_to_cpu_mode
     from ._fused_adam import job_path
     from ._rng_standin import TrainingRngStandIn
+    from .placement import deterministic_kernels
 
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
     on_cpu = device == "cpu" and not torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         rng = stack.enter_context(TrainingRngStandIn())
+        stack.enter_context(deterministic_kernels(on_gpu=not on_cpu))  # runs compared bit for bit
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
