@@ -24,11 +24,23 @@ def device() -> str:
     return value
 
 
+WORLD_TIMEOUT_VAR = "MCORE_CKPT_FIXES_GPU_WORLD_TIMEOUT_S"
+
+
 def world_of(together) -> tuple:
     """(ranks, timeout) of the world that runs ``together`` (one scenario, or one fix's batch). A
     batch's world is as large as its largest scenario (chained-optim's ``two_chunks`` takes 4 ranks,
-    ``one_chunk`` 2): every case runs on every rank of it, as the fix's own CPU test runs them."""
-    return max(s.nproc for s in together), sum(s.timeout for s in together)
+    ``one_chunk`` 2): every case runs on every rank of it, as the fix's own CPU test runs them. The
+    timeout is the scenarios' together, at most ``MCORE_CKPT_FIXES_GPU_WORLD_TIMEOUT_S`` where that is
+    set (tools/gpu_check.sh: a world that hangs on a GPU host must not use up its line's budget)."""
+    timeout = sum(s.timeout for s in together)
+    cap = os.environ.get(WORLD_TIMEOUT_VAR)
+    if cap:
+        try:
+            timeout = min(timeout, float(cap))
+        except ValueError:
+            raise ValueError(f"{WORLD_TIMEOUT_VAR}={cap!r}: expected a number of seconds") from None
+    return max(s.nproc for s in together), timeout
 
 
 def bug_off(scenario, version, affected):

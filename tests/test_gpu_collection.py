@@ -116,14 +116,21 @@ def _rank(error=None, phase="compare", delta=0.0, device="cuda:0"):
     return {"phase": phase, "error": error, "max_delta": {"w": delta}, "n_tensors": 1, "device": device}
 
 
-def test_a_batch_world_is_as_large_as_its_largest_scenario():
+def test_a_batch_world_is_as_large_as_its_largest_scenario(monkeypatch):
     """chained-optim's batch runs one_chunk (2 ranks) and two_chunks (4 ranks) in one world: 4 ranks,
-    as its CPU test runs them (in a 2-rank world two_chunks has no pipeline stage to load)."""
-    from cuda_round_trip_judge import world_of
+    as its CPU test runs them (in a 2-rank world two_chunks has no pipeline stage to load). Its
+    timeout is both scenarios', capped where the GPU check caps a world's."""
+    from cuda_round_trip_judge import WORLD_TIMEOUT_VAR, world_of
 
     together = for_fix("chained-optim-main-params-split")
     assert sorted(s.nproc for s in together) == [2, 4]
+    monkeypatch.delenv(WORLD_TIMEOUT_VAR, raising=False)
     assert world_of(together) == (4, sum(s.timeout for s in together))
+    monkeypatch.setenv(WORLD_TIMEOUT_VAR, "150")
+    assert world_of(together) == (4, 150.0)
+    monkeypatch.setenv(WORLD_TIMEOUT_VAR, "soon")
+    with pytest.raises(ValueError, match="MCORE_CKPT_FIXES_GPU_WORLD_TIMEOUT_S='soon': expected a number of seconds"):
+        world_of(together)
 
 
 def test_the_judgement_holds_each_half_to_the_release():
