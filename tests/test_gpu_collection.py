@@ -197,3 +197,34 @@ def test_gpu_runs_of_the_resume_jobs_take_deterministic_kernels(monkeypatch):
                                                       "mcore_ckpt_fixes.resume.mimo:run")}  # fmt: skip
     for name, text in src.items():
         assert "deterministic_kernels(on_gpu=not on_cpu)" in text, name
+
+
+_PARENT_IMPORTS = """
+import torch
+
+def refuse():
+    raise RuntimeError("torch.cuda._lazy_init called in the parent")
+
+torch.cuda._lazy_init = refuse  # what any CUDA call that initialises the GPU goes through
+from mcore_ckpt_fixes.testing import all_scenarios, resolve
+for s in all_scenarios():
+    if "cuda" in s.devices and s.prepare and not s.absent():
+        resolve(s.prepare)()
+from mcore_ckpt_fixes.resume import check as resume
+if not resume.not_applicable():
+    resume.prepare()
+print("no CUDA initialisation")
+"""
+
+
+def test_the_gpu_checks_parent_initialises_no_cuda():
+    """The GPU check forks its CUDA worlds from the warm pytest process (launcher.cuda_method), which
+    a child can only use where the parent never initialised CUDA: what the parent imports and
+    prepares for every CUDA scenario and the resume check reaches no CUDA initialisation (device
+    counts only, which NVML answers on a GPU host). A fresh interpreter, so that nothing this
+    session imported hides an import-time call."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARENT_IMPORTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "no CUDA initialisation" in proc.stdout, proc.stderr[-3000:]
