@@ -54,10 +54,10 @@ def _exact(r) -> bool:
     return r["error"] is None and r.get("n_tensors", 1) > 0 and set(r["max_delta"].values()) == {0.0}
 
 
-def assert_round_trip(scenario, version, affected, off, on, device):
-    """Both halves of one scenario's world, each rank's result: with the fix off, the declared bug
-    (or an exact round trip); with it on, every rank exact, its tensors on ``device``."""
-    bug = bug_off(scenario, version, affected)
+def assert_round_trip(bug, off, on, device):
+    """Both halves of one scenario's world, each rank's result: with the fix off, ``bug`` (what
+    :func:`bug_off` says it must show) or, where that is None, an exact round trip; with it on,
+    every rank exact, its tensors on ``device``."""
     if bug is not None:
         assert bug.seen_in(off), [(r["phase"], r["error"]) for r in off]
     else:

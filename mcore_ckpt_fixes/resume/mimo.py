@@ -25,7 +25,6 @@ configurations' (:mod:`.job`).
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import numpy as np
@@ -227,24 +226,14 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run, as :func:`.job.run` (the same phases, the same result)."""
+    """One rank of one run, as :func:`.job.run` (the same phases, the same result), in the GPT job's
+    surroundings (:func:`.job.worker`), each module on the rank's GPU in a cuda run (placement)."""
     from ..testing import placement
-    from ..testing._cpu_shims import cpu_streams, cuda_to_cpu_mode
-    from ..testing._fused_adam import job_path, path_in_use
-    from ..testing._rng_standin import TrainingRngStandIn
+    from ..testing._fused_adam import path_in_use
 
     assert world_size == cfg.world == 2, f"{cfg.name} runs on 2 ranks, got {world_size}"
-    torch.set_num_threads(1)
-    on_cpu = device == "cpu" and not torch.cuda.is_available()
-    with contextlib.ExitStack() as stack:
-        rng = stack.enter_context(TrainingRngStandIn())
-        # Each module on the rank's GPU in a cuda run (the round trips' modules: placement).
-        stack.enter_context(placement.on("cpu" if on_cpu else "cuda"))
-        stack.enter_context(placement.deterministic_kernels(on_gpu=not on_cpu))  # runs compared bit for bit
-        if on_cpu:
-            stack.enter_context(cuda_to_cpu_mode())
-            stack.enter_context(cpu_streams())
-        stack.enter_context(job_path(cfg.fused_adam, on_cpu))
-        out = _run_phase(phase, ckpt_dir, steps, resume_at, rng.cpu_generator())
+    on = "cuda" if job.runs_on_gpu(device) else "cpu"
+    with job.worker(cfg, device) as cpu_gen, placement.on(on):
+        out = _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen)
         out["optimizer"] = path_in_use()
         return out

@@ -476,6 +476,12 @@ def sequence_parallel_torch_norms():
         torch_norm.WrappedTorchNorm.__new__ = original
 
 
+def runs_on_gpu(device) -> bool:
+    """Whether a job asked to run on ``device`` runs on the rank's GPU: a ``cuda`` run, or any run
+    on a host with CUDA (only a CPU host runs on the CPU, with the CUDA stand-ins)."""
+    return device != "cpu" or torch.cuda.is_available()
+
+
 @contextlib.contextmanager
 def worker(cfg, device):
     """A rank's surroundings for training ``cfg``: the RNG and (on a CPU host) CUDA stand-ins and
@@ -486,7 +492,7 @@ def worker(cfg, device):
     from .placement import deterministic_kernels
 
     torch.set_num_threads(1)  # the same kernels in every run, whatever the host's core count
-    on_cpu = device == "cpu" and not torch.cuda.is_available()
+    on_cpu = not runs_on_gpu(device)
     with contextlib.ExitStack() as stack:
         rng = stack.enter_context(TrainingRngStandIn())
         stack.enter_context(deterministic_kernels(on_gpu=not on_cpu))  # runs compared bit for bit
