@@ -34,25 +34,22 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _build_parser() -> "_Parser":
-    parser = _Parser(
-        prog="mcore-ckpt-fixes",
-        description="Fixes for Megatron-Core distributed checkpointing: see which apply here.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p_status = sub.add_parser("status", help="list every fix and its state in this environment")
-    p_status.add_argument("--json", action="store_true", help="print a JSON list of objects")
-    p_status.add_argument(
-        "--no-import",
-        action="store_true",
-        help="do not import the Megatron-Core modules the fixes target (their fixes stay 'pending')",
-    )
-    p_status.add_argument(
-        "--known-bugs",
-        action="store_true",
-        help="list the catalogued checkpoint bugs that affect this Megatron-Core release instead, with their "
-        "status here (docs/known-bugs.md); with --json one object",
-    )
+def _fix_ids(text, resume):
+    """``selftest --fix``'s ids in the registry's order (None: every fix), or why they are refused."""
+    if text is None:
+        return None
+    if resume:
+        return "--fix goes with the round trips, not --resume (the resume check trains whole configurations)"
+    from .fixes import ORDER
+
+    asked = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [part for part in asked if part not in ORDER]
+    if unknown or not asked:
+        return f"--fix {text!r}: unknown fix id {', '.join(map(repr, unknown)) or '(none given)'}; accepted: {', '.join(ORDER)}"
+    return [fix_id for fix_id in ORDER if fix_id in asked]
+
+
+def _add_selftest(sub) -> None:
     p_self = sub.add_parser(
         "selftest",
         help="run every fix's checkpoint round trips on this stack, with the fix off and on",
@@ -75,6 +72,13 @@ def _build_parser() -> "_Parser":
         "each at the world size it is written for)",
     )
     p_self.add_argument(
+        "--fix",
+        metavar="ID[,ID...]",
+        default=None,
+        help="run only these fixes' round trips (comma-separated fix ids, as `status` lists them); "
+        "the others are left out of the report and of the verdict",
+    )
+    p_self.add_argument(
         "--json",
         action="store_true",
         help="print a JSON list of objects, one per fix (with --resume: one per configuration)",
@@ -91,6 +95,28 @@ def _build_parser() -> "_Parser":
         help="with --resume: also resume each configuration that needs fixes with only those fixes on "
         "(MCORE_CKPT_FIXES=<its fixes>, every other off); it must be exact too",
     )
+
+
+def _build_parser() -> "_Parser":
+    parser = _Parser(
+        prog="mcore-ckpt-fixes",
+        description="Fixes for Megatron-Core distributed checkpointing: see which apply here.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_status = sub.add_parser("status", help="list every fix and its state in this environment")
+    p_status.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    p_status.add_argument(
+        "--no-import",
+        action="store_true",
+        help="do not import the Megatron-Core modules the fixes target (their fixes stay 'pending')",
+    )
+    p_status.add_argument(
+        "--known-bugs",
+        action="store_true",
+        help="list the catalogued checkpoint bugs that affect this Megatron-Core release instead, with their "
+        "status here (docs/known-bugs.md); with --json one object",
+    )
+    _add_selftest(sub)
     p_insp = sub.add_parser(
         "inspect",
         help="the checkpoint doctor: what is on disk and whether a run with these sizes can read it",
@@ -130,6 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_status(as_json=args.json, import_targets_first=not args.no_import, known_bugs=args.known_bugs)
     if args.command == "selftest":
+        only = _fix_ids(args.fix, args.resume)
+        if isinstance(only, str):
+            print(f"mcore-ckpt-fixes selftest: error: {only}", file=sys.stderr)
+            return 2
         if args.resume:
             from .cli.selftest_resume import run as run_resume
 
@@ -139,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         from .cli.selftest import run as run_selftest
 
-        return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json)
+        return run_selftest(device=args.device, nproc=args.nproc, as_json=args.json, only=only)
     if args.command == "inspect":
         from .cli.inspect import run as run_inspect
 

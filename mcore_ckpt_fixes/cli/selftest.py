@@ -35,7 +35,7 @@ from .selftest_render import print_table
 from .selftest_run import captured, gpus_short, prepare, progress, run_scenario, set_aside_user_flags, stack
 
 
-def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
+def run(device: str = "cpu", nproc=None, as_json: bool = False, only=None) -> int:
     from mcore_ckpt_fixes.testing import for_fix
 
     info = detect()
@@ -55,7 +55,8 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
         print(f"mcore-ckpt-fixes selftest: {stack_skip}", file=sys.stderr)
         return 2
 
-    fixes = ENGINE.discover()
+    # ``only`` (``--fix``): these fixes' rows and round trips, the others left out of the verdict too.
+    fixes = {k: f for k, f in ENGINE.discover().items() if only is None or k in only}
     began = time.monotonic()
     fd, log_path = tempfile.mkstemp(prefix="mcore-ckpt-fixes-selftest-", suffix=".log")
     os.close(fd)
@@ -89,7 +90,7 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        print_table(rows, info, torch_version, device, nproc, code, total)
+        print_table(rows, info, torch_version, device, nproc, code, total, only)
     return code
 
 

@@ -57,13 +57,19 @@ def verdict_text(e) -> str:
     return text
 
 
-def print_table(rows, info, torch_version, device, nproc, code, total) -> None:
+def report_header(info, torch_version, device, nproc, only=None) -> str:
+    """The report's first line: the stack, and which scenarios were asked for."""
     how = "gloo, forked ranks" if device == "cpu" else "nccl, one GPU per rank"
-    print(
+    return (
         f"mcore-ckpt-fixes {mcore_ckpt_fixes.__version__} selftest: {info.describe()}; "
         f"torch {torch_version}; --device {device} ({how}), "
         + (f"--nproc {nproc}" if nproc is not None else "each scenario at its own world size")
+        + (f"; only --fix {','.join(only)}" if only is not None else "")
     )
+
+
+def print_table(rows, info, torch_version, device, nproc, code, total, only=None) -> None:
+    print(report_header(info, torch_version, device, nproc, only))
     pending = [e for e in rows if not e["implemented"]]
     for e in rows:
         if not e["implemented"]:
