@@ -37,7 +37,7 @@ framework_line() {  # fw-NAME [pytest args] -> exit status of tests/frameworks i
     echo "=== $name (tools/frameworks/$name.txt) on Megatron-Core $rel (Python $py) ==="
     start=$(date +%s)
     PYTHONPATH="$ENVS/fw-$name:$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 MCORE_CKPT_FIXES_FRAMEWORK="$name" \
-      "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider "${args[@]}"
+      "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider --durations=15 "${args[@]}"
     one=$?
     echo "=== $name on $rel: exit $one in $(( $(date +%s) - start )) s ==="
     [ $one -eq 0 ] || rc=$one
@@ -51,6 +51,7 @@ framework_line() {  # fw-NAME [pytest args] -> exit status of tests/frameworks i
 # runs them on this one line only. A line run alone (tools/test.sh 0.16.1) runs them.
 ONE_LINE=$(awk '!/^#/ && $3=="one-line" {print $1; exit}' tools/releases.txt)
 
+# --durations=15: each line's log ends with its 15 slowest tests, what CI's time budget is spent on.
 failed=()
 for rel in "${releases[@]}"; do
   case "$rel" in fw-*) framework_line "$rel" "${pytest_args[@]}" || failed+=("$rel"); continue ;; esac
@@ -71,7 +72,7 @@ for rel in "${releases[@]}"; do
   echo "=== Megatron-Core $rel (Python $py)${select[*]:+, one-line tests on $ONE_LINE only} ==="
   start=$(date +%s)
   PYTHONPATH="$ENVS/mcore-$rel:$ROOT" PYTHONDONTWRITEBYTECODE=1 \
-    "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider "${select[@]}" "${pytest_args[@]}"
+    "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider --durations=15 "${select[@]}" "${pytest_args[@]}"
   rc=$?
   echo "=== Megatron-Core $rel: exit $rc in $(( $(date +%s) - start )) s ==="
   [ $rc -eq 0 ] || failed+=("$rel")

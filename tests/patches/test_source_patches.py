@@ -155,6 +155,8 @@ print("RESULT " + json.dumps(out))
 def patched_run(patched_tree, patched_here, warm_python):
     """What SCRIPT found in the shared tree, per fix; the script's output where it failed."""
     root, _ = patched_tree
+    if not patched_here:  # no diff of this release was selected: no interpreter to start
+        return {}
     env = {"PYTHONPATH": root, "PATCHED_MEGATRON": os.path.join(root, "megatron"), "FIX_IDS": ",".join(patched_here)}
     # A fresh interpreter's environment and path (the patched tree first), forked from one that has
     # imported torch only: Megatron-Core is imported from the patched tree in that child.
