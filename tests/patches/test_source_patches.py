@@ -1,7 +1,7 @@
 """patches/<fix-id>/<release>.patch, as a user who vendors Megatron-Core applies them:
 
-* each diff applies alone, cleanly (no fuzz, no offset needed to fail), to a pristine copy of this
-  environment's Megatron-Core (the unpacked wheel, site-packages layout);
+* each diff applies alone to a pristine copy of this environment's Megatron-Core (the unpacked
+  wheel, site-packages layout): no hunk fails, none needs fuzz;
 * every diff of this release applied one after another, in the order of their fix ids, to one
   copy: each applies there too (the diffs compose), and in one interpreter importing that tree,
   with the monkeypatch off,
@@ -11,8 +11,9 @@
   - every fix's round trips are exact on every rank.
 
 One tree and one interpreter per line, not one per fix: importing Megatron-Core is most of such a
-check's cost. What one fix's diff could hide of another's in the shared tree (a missing hunk whose
-bug another diff happens to fix) the byte-for-byte regeneration below still catches, diff by diff.
+check's cost. In the shared tree one fix's diff could hide a hunk another committed diff lost (where
+it happens to fix that bug too); the byte-for-byte regeneration below checks each committed diff on
+its own against what patchgen writes from the monkeypatch.
 """
 
 import glob
@@ -119,6 +120,7 @@ mine = [s for s in all_scenarios() if s.fix_id in fix_ids]
 for prep in sorted({s.prepare for s in mine if s.prepare}):
     resolve(prep)()
 import mcore_ckpt_fixes
+from mcore_ckpt_fixes.engine.flags import env_var_for
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 out = {}
@@ -126,7 +128,7 @@ for fix_id in fix_ids:
     # Probes: this fix alone, forced on so that the version range does not short-cut them; each
     # must see the fix in place.
     mcore_ckpt_fixes.revert()
-    mcore_ckpt_fixes.apply({"MCORE_CKPT_FIXES": fix_id, "MCORE_CKPT_FIX_" + fix_id.upper().replace("-", "_"): "on"})
+    mcore_ckpt_fixes.apply({"MCORE_CKPT_FIXES": fix_id, env_var_for(fix_id): "on"})
     absent = []
     for t in ENGINE.fixes[fix_id].targets:
         try:
