@@ -22,7 +22,14 @@ RNG_EXPERT = "rng:tracker:expert-parallel-rng"
 # number over 100; a MIMO rank's module is two linears (4 parameters: 61 values with everything).
 # With each bucket padded to 65536 elements the small GPT's state lies in rank 0's halves: rank 1
 # holds no main parameter or optimizer state (over 70 values: parameters, scheduler, RNG, losses).
+# A pipeline stage holds its own layers only (the first stage one layer and the embeddings), and
+# under DP=2 the distributed optimizer's half of their state: over 60.
 MIN_VALUES = {by_name("mimo-noncolocated").name: 50, "dense-dp2-padded-buckets": 70}
+MIN_VALUES_PER_STAGE = 60
+
+
+def min_values(cfg) -> int:
+    return MIN_VALUES.get(cfg.name, MIN_VALUES_PER_STAGE if cfg.pp > 1 else 100)
 
 
 def each_way(cfg, mode_out):
@@ -38,7 +45,7 @@ def assert_every_rank_compared(cfg, out):
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step compared
         # parameters, optimizer state, scheduler, RNG streams, losses
-        assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
+        assert r["n_compared"] > min_values(cfg), r["n_compared"]
         # A checkpoint the fixed release wrote itself loads without a word from the fixes.
         assert not [w for w in r["load_warnings"] if "MegatronPatchWarning" in w], r["load_warnings"]
 
@@ -61,7 +68,7 @@ def assert_unchanged_by_the_fixes(cfg, out):
     assert len(unchanged["ranks"]) == cfg.world
     for r in unchanged["ranks"]:
         assert r["steps"] == list(range(1, resume.STEPS + 1)), r["steps"]  # every step, the saved ones too
-        assert r["n_compared"] > MIN_VALUES.get(cfg.name, 100), r["n_compared"]
+        assert r["n_compared"] > min_values(cfg), r["n_compared"]
 
 
 def assert_without_the_fixes(cfg, out):
@@ -107,7 +114,9 @@ def assert_without_the_fixes(cfg, out):
     # rng-under-ep: every EP rank > 0 resumes on EP rank 0's RNG streams. Its first resumed step
     # already differs (dropout and router noise drawn from the wrong stream) and its expert-parallel
     # stream ends elsewhere; an EP-rank-0 rank resumes its own state, so its first resumed step is
-    # exact (later ones may differ: gradients are reduced across the EP ranks).
+    # exact (later ones may differ: gradients are reduced across the EP ranks) and its own
+    # expert-parallel stream ends where it should. Under PP every rank's step records the gradient
+    # norm of the whole model, which the EP ranks > 0 already changed on the first resumed step.
     first = resume.RESUME_AT + 1
     assert off["verdict"] == "inexact"
     for r in off["ranks"]:
@@ -115,7 +124,8 @@ def assert_without_the_fixes(cfg, out):
             assert r["first_step"] == first, resume_fail_text(off)
             assert RNG_EXPERT in r["differ_all"], r["differ_all"]
         else:
-            assert r["first_step"] != first, resume_fail_text(off)
+            assert RNG_EXPERT not in r["differ_all"], r["differ_all"]
+            assert (r["first_step"] == first) == (cfg.pp > 1), resume_fail_text(off)
 
 
 def _assert_strict_load_rejects_the_idle_rerun_state(off):

@@ -153,13 +153,13 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
 
     from ..fixes.rng_under_ep.checks.bridge import seed_as_bridge
 
-    args = job._args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
+    args = job.parse_args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
     mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, expert_model_parallel_size=cfg.ep or 1)
     state = GlobalState()
     state.cfg = _config(cfg, args, ckpt_dir)
     seed_as_bridge(state.cfg.rng.seed, state.cfg.rng.data_parallel_random_init)
-    model, optimizer, scheduler = job._build(args, cfg)
-    out = {"coords": job._coords(), "losses": {}}
+    model, optimizer, scheduler = job.build(args, cfg)
+    out = {"coords": job.coords(), "losses": {}}
     train = (model, optimizer, scheduler, args, cpu_gen, state)
     if phase == "uninterrupted":
         out["losses"] = _train(*train, 1, steps)

@@ -17,9 +17,9 @@ state; the resumed run loads it with ``dist_checkpointing.load`` (through the ro
 load, which share a rank's failure with the whole world instead of leaving the others waiting).
 
 Randomness consumed every step, each into the loss: NumPy, Python's ``random`` and the CPU
-generator make the sample (:func:`.job._batch`), hidden dropout draws from the (stood-in) CUDA
+generator make the sample (:func:`.job.batch`), hidden dropout draws from the (stood-in) CUDA
 generator, the dropout after the first linear from the tracker's model-parallel stream, and one draw
-per tracker stream scales the loss (:func:`.job._loss_scale`). The CPU stand-ins are the other
+per tracker stream scales the loss (:func:`.job.loss_scale`). The CPU stand-ins are the other
 configurations' (:mod:`.job`).
 """
 
@@ -105,8 +105,8 @@ def _forward(tower, tokens, labels):
 def train_step(built, scheduler, cpu_gen):
     built.model.zero_grad_buffer()
     built.mimo.zero_grad()
-    tokens, _, _, labels = job._batch(cpu_gen)
-    loss = _forward(built.model.module, tokens, labels) * job._loss_scale()
+    tokens, _, _, labels = job.batch(cpu_gen)
+    loss = _forward(built.model.module, tokens, labels) * job.loss_scale()
     loss.backward()
     built.model.finish_grad_sync()
     ok, _, _ = built.mimo.step()

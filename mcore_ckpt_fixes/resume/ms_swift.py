@@ -126,23 +126,25 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     from ..fixes.rng_under_ep.checks.ms_swift import import_swift
 
     m = import_swift()
-    args = job._args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
+    args = job.parse_args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
     sargs = _swift_args(cfg, ckpt_dir)
     _initialize(m, sargs)
-    model, optimizer, scheduler = job._build(args, cfg)
-    out = {"coords": job._coords(), "losses": {}}
+    model, optimizer, scheduler = job.build(args, cfg)
+    out = {"coords": job.coords(), "losses": {}}
     if phase == "uninterrupted":
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, 1, steps)
     elif phase == "save":
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
         with quiet():
             m.save_mcore_checkpoint(sargs, [model], optimizer, scheduler, iteration=resume_at, output_dir=ckpt_dir)
         dist.barrier()
-        out["losses"].update(job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))  # (job.py)
+        out["losses"].update(
+            job.train_steps(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+        )  # (job.py)
     else:
         iteration, out["load_warnings"] = _load(m, sargs, model, optimizer, scheduler)
         assert iteration == resume_at, f"ms-swift's load_mcore_checkpoint returned {iteration}, saved {resume_at}"
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = job.snapshot(model, optimizer, scheduler)
     return out
 

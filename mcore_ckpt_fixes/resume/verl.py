@@ -132,23 +132,25 @@ def _load(manager, path):
 def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
     from megatron.core import parallel_state as mpu
 
-    args = job._args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
+    args = job.parse_args(cfg, ckpt_dir, steps)  # Megatron's arguments build the model, as in job.py
     mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, expert_model_parallel_size=cfg.ep or 1)
     _seed(job.SEED)
-    model, optimizer, scheduler = job._build(args, cfg)
+    model, optimizer, scheduler = job.build(args, cfg)
     manager = _manager(cfg, model, optimizer, scheduler)
-    out = {"coords": job._coords(), "losses": {}}
+    out = {"coords": job.coords(), "losses": {}}
     if phase == "uninterrupted":
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, 1, steps)
     elif phase == "save":
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
         with quiet():
             manager.save_checkpoint(_step_dir(ckpt_dir, resume_at), global_step=resume_at)
         dist.barrier()
-        out["losses"].update(job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))  # (job.py)
+        out["losses"].update(
+            job.train_steps(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+        )  # (job.py)
     else:
         out["load_warnings"] = _load(manager, _step_dir(ckpt_dir, resume_at))
-        out["losses"] = job._train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+        out["losses"] = job.train_steps(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
     out["state"] = job.snapshot(model, optimizer, scheduler)
     return out
 

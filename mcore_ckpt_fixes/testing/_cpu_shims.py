@@ -83,7 +83,8 @@ class _NoStream:
 
 
 def cpu_streams():
-    """Context manager: ``torch.cuda.current_stream()`` and ``torch.cuda.stream(s)`` work on a CPU run.
+    """Context manager: ``torch.cuda.current_stream()``, ``torch.cuda.Stream()`` and
+    ``torch.cuda.stream(s)`` work on a CPU run.
 
     Megatron's DDP orders its gradient reduce-scatter after the backward with the current CUDA
     stream (``param_and_grad_buffer.start_grad_sync``); on a CPU every op is already ordered, so
@@ -95,12 +96,14 @@ def cpu_streams():
 
     @contextlib.contextmanager
     def swapped():
-        saved = torch.cuda.current_stream, torch.cuda.stream
+        saved = torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Stream
         torch.cuda.current_stream = lambda device=None: _NoStream()
         torch.cuda.stream = lambda stream: contextlib.nullcontext()
+        # megatron.training's get_model wraps its chunks in DDP on a stream of their own.
+        torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
         try:
             yield
         finally:
-            torch.cuda.current_stream, torch.cuda.stream = saved
+            torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Stream = saved
 
     return swapped()

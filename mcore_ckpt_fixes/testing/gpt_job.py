@@ -56,7 +56,7 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
     argv = [
         "mcore-ckpt-fixes-resume",
         "--num-layers",
-        "2",
+        str(cfg.num_layers),
         "--hidden-size",
         str(HIDDEN),
         "--num-attention-heads",
@@ -68,9 +68,11 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
         "--micro-batch-size",
         "1",
         "--global-batch-size",
-        str(cfg.dp),
+        str(cfg.dp * cfg.microbatches),
         "--tensor-model-parallel-size",
         str(cfg.tp),
+        "--pipeline-model-parallel-size",
+        str(cfg.pp),
         "--use-cpu-initialization",
         "--bf16",
         "--ckpt-format",
@@ -114,6 +116,8 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
         "--seed",
         str(SEED),
     ]
+    if cfg.vpp:
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(cfg.num_layers // (cfg.pp * cfg.vpp))]
     if cfg.ep:
         argv += _moe_argv(cfg)
     if cfg.distributed_optimizer:
@@ -146,7 +150,7 @@ def _moe_argv(cfg):
     return argv
 
 
-def _args(cfg, ckpt_dir, steps, resume_args=()):
+def parse_args(cfg, ckpt_dir, steps, resume_args=()):
     from megatron.training import arguments, global_vars
 
     saved_argv, sys.argv = sys.argv, _argv(cfg, ckpt_dir, steps, resume_args)
@@ -174,7 +178,7 @@ def _args(cfg, ckpt_dir, steps, resume_args=()):
     return args
 
 
-def _rerun_machine(args):
+def rerun_machine(args):
     """The process's rerun state machine as ``initialize_megatron`` sets it up (mode from the
     arguments; its state save and restore are the RNG tracker's states)."""
     from megatron.core import tensor_parallel
@@ -191,7 +195,7 @@ def _rerun_machine(args):
     )
 
 
-def _seed(args):
+def seed(args):
     """Megatron's seeding (``_set_random_seed``); on CPU also the tracker, which it seeds only
     when it sees a GPU."""
     from megatron.core import parallel_state as mpu
@@ -211,7 +215,7 @@ def optimizer_config(args):
     return OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _build(args, cfg):
+def build(args, cfg):
     """Model, DDP wrapper, optimizer and scheduler, as ``setup_model_and_optimizer`` builds them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -254,11 +258,11 @@ def _requests_as_trainers_build_them(optimizer, keep_metadata):
         opt.sharded_state_dict = sharded_state_dict
 
 
-def _device():
+def rank_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _batch(cpu_gen):
+def batch(cpu_gen):
     """This step's sample: NumPy draws the tokens, Python's ``random`` how far they are rolled, the
     CPU generator which of them are replaced by token 0 (as a loader's masking would)."""
     tokens = np.random.randint(0, VOCAB, size=(1, SEQ + 1))
@@ -270,16 +274,16 @@ def _batch(cpu_gen):
     return tokens[:, :-1].contiguous(), position_ids, mask, tokens[:, 1:].contiguous()
 
 
-def _loss_scale():
+def loss_scale():
     """One draw from every tracker stream (the data-parallel one included, which no layer draws
     from), folded into the loss."""
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    scale = torch.ones((), device=_device())
+    scale = torch.ones((), device=rank_device())
     for name in sorted(tracker.get_states()):
         with tracker.fork(name):  # swaps the CUDA generator (on a CPU host: its stand-in)
-            scale = scale + 0.01 * torch.rand((), device=_device())
+            scale = scale + 0.01 * torch.rand((), device=rank_device())
     return scale
 
 
@@ -288,9 +292,9 @@ def train_step(model, optimizer, scheduler, args, cpu_gen):
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    tokens, position_ids, mask, labels = (t.to(_device()) for t in _batch(cpu_gen))
+    tokens, position_ids, mask, labels = (t.to(rank_device()) for t in batch(cpu_gen))
     per_token = model(tokens, position_ids, mask, labels=labels)
-    loss = per_token.float().mean() * _loss_scale()
+    loss = per_token.float().mean() * loss_scale()
     loss.backward()
     finalize_model_grads([model])
     ok, _, _ = optimizer.step()
@@ -320,7 +324,11 @@ def snapshot(model, optimizer, scheduler):
     distributed optimizer's fp32 main shards), the scheduler, and every RNG stream."""
     from megatron.core import tensor_parallel
 
-    state = {f"param:{n}": p.detach().clone().cpu() for n, p in model.module.named_parameters()}
+    models = chunks(model)
+    state = {}
+    for i, chunk in enumerate(models):
+        where = f"chunk{i}." if len(models) > 1 else ""  # virtual pipeline stages: one per chunk
+        state.update({f"param:{where}{n}": p.detach().clone().cpu() for n, p in chunk.module.named_parameters()})
     for i, inner in enumerate(_inner_optimizers(optimizer)):
         for g, group in enumerate(inner.param_groups):
             for key, value in sorted(group.items()):
@@ -342,57 +350,80 @@ def snapshot(model, optimizer, scheduler):
     return state
 
 
-def _coords():
+def coords():
     from megatron.core import parallel_state as mpu
 
     return {
         "rank": dist.get_rank(),
         "tp": mpu.get_tensor_model_parallel_rank(),
+        "pp": mpu.get_pipeline_model_parallel_rank(),
         "ep": mpu.get_expert_model_parallel_rank(),
         "dp": mpu.get_data_parallel_rank(),
     }
 
 
-def _train(model, optimizer, scheduler, args, cpu_gen, first, last):
-    return {step: train_step(model, optimizer, scheduler, args, cpu_gen) for step in range(first, last + 1)}
+def train_steps(model, optimizer, scheduler, args, feed, first, last):
+    """Steps ``first`` to ``last``: losses by step. ``feed`` is what each step draws its samples
+    from: the CPU generator, or for the pipeline job's chunks (a list) their data iterators."""
+    if isinstance(model, list):
+        from .pipeline_job import train_step as step
+    else:
+        step = train_step
+    return {i: step(model, optimizer, scheduler, args, feed) for i in range(first, last + 1)}
 
 
-def _start(cfg, args):
+def _start(cfg, args, cpu_gen):
     """What ``initialize_megatron`` and ``setup_model_and_optimizer`` do for this job once the
     parallel state is up: the rerun state machine, the seeds, then the model, optimizer and
-    scheduler. (``--async-save`` without a persistent worker ``validate_args`` turns off; with one,
-    the worker needs a GPU or nvidia-resiliency-ext, and the job does not start it.)"""
-    if cfg.rerun_mode:
-        _rerun_machine(args)
-    _seed(args)
-    return _build(args, cfg)
+    scheduler; with them what the steps draw samples from (:func:`train_steps`). A pipeline
+    configuration is built and trained by :mod:`.pipeline_job` (inside the rerun state machine,
+    as Megatron's schedule needs). (``--async-save`` without a persistent worker ``validate_args``
+    turns off; with one, the worker needs a GPU or nvidia-resiliency-ext, and the job does not
+    start it.)"""
+    if cfg.rerun_mode or cfg.pp > 1:
+        rerun_machine(args)
+    seed(args)
+    if cfg.pp > 1:
+        from . import pipeline_job
+
+        model, optimizer, scheduler = pipeline_job.build(args, cfg)
+        return model, optimizer, scheduler, pipeline_job.data_iterators(model, cpu_gen)
+    return (*build(args, cfg), cpu_gen)
 
 
-def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
+def initialize_parallel(cfg, args):
+    """Megatron's parallel state for the job's layout, as ``initialize_megatron`` sets it up."""
     from megatron.core import parallel_state as mpu
-    from megatron.training.checkpointing import save_checkpoint
 
-    args = _args(cfg, ckpt_dir, steps)
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.ep or 1,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
+
+
+def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
+    from megatron.training.checkpointing import save_checkpoint
+
+    args = parse_args(cfg, ckpt_dir, steps)
+    initialize_parallel(cfg, args)
     if phase == "resume":
         if cfg.resume_args:
             return _resume_each_way(cfg, ckpt_dir, steps, resume_at, cpu_gen)
         return _resume(cfg, args, steps, resume_at, cpu_gen)
-    model, optimizer, scheduler = _start(cfg, args)
-    out = {"coords": _coords(), "losses": {}}
+    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    out = {"coords": coords(), "losses": {}}
     if phase == "uninterrupted":
-        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, steps)
+        out["losses"] = train_steps(model, optimizer, scheduler, args, feed, 1, steps)
     else:
-        out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, 1, resume_at)
-        save_checkpoint(resume_at, [model], optimizer, scheduler, 0)
+        out["losses"] = train_steps(model, optimizer, scheduler, args, feed, 1, resume_at)
+        save_checkpoint(resume_at, chunks(model), optimizer, scheduler, 0)
         dist.barrier()
         # A training run goes on after its save: with the fixes on this is the run that never
         # resumes, compared bit for bit with the release's own uninterrupted run (check.py).
-        out["losses"].update(_train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps))
+        out["losses"].update(train_steps(model, optimizer, scheduler, args, feed, resume_at + 1, steps))
     out["state"] = snapshot(model, optimizer, scheduler)
     return out
 
@@ -401,18 +432,15 @@ def _resume(cfg, args, steps, resume_at, cpu_gen):
     """Run C: a newly built job loads the checkpoint and trains the remaining steps."""
     from megatron.training.checkpointing import load_checkpoint
 
-    model, optimizer, scheduler = _start(cfg, args)
-    out = {"coords": _coords()}
+    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    out = {"coords": coords()}
     # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
     # the check across releases reports what each load said.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        iteration, _ = _load(load_checkpoint, model, optimizer, scheduler)
-    out["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    iteration, out["load_warnings"] = load_recording_warnings(load_checkpoint, model, optimizer, scheduler)
     out["iteration"] = iteration  # --finetune resumes at 0 (as-release configurations compare it)
     if cfg.expect == "exact":
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
-    out["losses"] = _train(model, optimizer, scheduler, args, cpu_gen, resume_at + 1, steps)
+    out["losses"] = train_steps(model, optimizer, scheduler, args, feed, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
     return out
 
@@ -432,20 +460,33 @@ def _resume_each_way(cfg, ckpt_dir, steps, resume_at, cpu_gen):
         global_vars.unset_global_variables()
         destroy_rerun_state_machine()
         try:
-            ways.append(_resume(cfg, _args(cfg, ckpt_dir, steps, extra), steps, resume_at, cpu_gen))
+            ways.append(_resume(cfg, parse_args(cfg, ckpt_dir, steps, extra), steps, resume_at, cpu_gen))
         except Exception as exc:
             last = " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())  # one line
-            ways.append({"coords": _coords(), "error": last, "detail": traceback.format_exc()})
+            ways.append({"coords": coords(), "error": last, "detail": traceback.format_exc()})
     return {"ways": ways}
 
 
-def _load(load_checkpoint, model, optimizer, scheduler):
+def load_recording_warnings(load_checkpoint, model, optimizer, scheduler):
+    """(the iteration :func:`load` returned, every warning it raised as one line each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iteration, _ = load(load_checkpoint, model, optimizer, scheduler)
+    return iteration, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def chunks(model) -> list:
+    """The model chunks of a job: its one DDP-wrapped model, or the pipeline job's list of them."""
+    return model if isinstance(model, list) else [model]
+
+
+def load(load_checkpoint, model, optimizer, scheduler):
     """``load_checkpoint``; where it gives up by printing why and calling ``sys.exit()`` (a legacy
     file it cannot read), an error carrying what it printed, not a bare ``SystemExit``."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            return load_checkpoint([model], optimizer, scheduler)
+            return load_checkpoint(chunks(model), optimizer, scheduler)
     except SystemExit:
         said = [line for line in printed.getvalue().splitlines() if line.strip()]
         raise RuntimeError(f"load_checkpoint exited: {' / '.join(said[-2:])}") from None
@@ -499,7 +540,7 @@ def worker(cfg, device):
         if on_cpu:
             stack.enter_context(cuda_to_cpu_mode())
             stack.enter_context(cpu_streams())
-            if cfg.ep and cfg.tp > 1:
+            if cfg.sequence_parallel:
                 stack.enter_context(sequence_parallel_torch_norms())
         stack.enter_context(job_path(cfg.fused_adam, on_cpu))
         try:

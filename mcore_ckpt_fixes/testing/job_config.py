@@ -14,6 +14,8 @@ class Config:
     summary: str
     world: int
     tp: int = 1
+    pp: int = 1  # pipeline stages (> 1: trained with Megatron's pipeline schedule, pipeline_job)
+    vpp: int = 0  # virtual stages (model chunks) per pipeline rank: the interleaved schedule (0: none)
     ep: int = 0  # expert-parallel size (0: a dense model)
     etp: int = 0  # expert-tensor-parallel size (0: Megatron's default, the TP size)
     distributed_optimizer: bool = True
@@ -60,4 +62,20 @@ class Config:
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def num_layers(self) -> int:
+        """Two layers, or one per (virtual) pipeline stage where there are more stages."""
+        return max(2, self.pp * max(self.vpp, 1))
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step: one, or two per pipeline stage (the 1F1B schedule's steady
+        state is reached, and the interleaved one needs a multiple of the stages)."""
+        return 1 if self.pp == 1 else 2 * self.pp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """MoE under TP trains only with sequence parallel (the job adds it); a dense job asks for it."""
+        return self.tp > 1 and (bool(self.ep) or "--sequence-parallel" in self.extra_args)

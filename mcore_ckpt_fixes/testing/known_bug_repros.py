@@ -78,9 +78,9 @@ def mfsdp_no_load_optim(rank, world_size, ckpt_dir, patched=False, device="cuda"
     rt = RoundTrip(case="no_load_optim", sharding_type="fsdp_dtensor", steps=None)
     with rt.running(), job.worker(MFSDP, device):
         rt.phase("arguments")
-        args = job._args(MFSDP, ckpt_dir, 1)
+        args = job.parse_args(MFSDP, ckpt_dir, 1)
         mpu.initialize_model_parallel()
-        job._seed(args)
+        job.seed(args)
         rt.phase("build")
         model, optimizer, scheduler = _build(args)
         rt["device"] = str(next(model[0].parameters()).device)
@@ -95,6 +95,6 @@ def mfsdp_no_load_optim(rank, world_size, ckpt_dir, patched=False, device="cuda"
                 p.fill_(7.0)
         args.no_load_optim = True
         rt.phase("load")
-        job._load(checkpointing.load_checkpoint, model[0], optimizer, scheduler)
+        job.load(checkpointing.load_checkpoint, model[0], optimizer, scheduler)
         rt.compare(saved, _weights(model))
     return rt.result

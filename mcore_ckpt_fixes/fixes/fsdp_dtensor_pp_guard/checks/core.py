@@ -56,10 +56,10 @@ def _start(cfg, ckpt_dir, pp):
 
     mpu.destroy_model_parallel()
     global_vars.unset_global_variables()
-    args = job._args(cfg, ckpt_dir, 2)
+    args = job.parse_args(cfg, ckpt_dir, 2)
     args.ckpt_format, args.use_megatron_fsdp, args.strict_fsdp_dtensor_load = "fsdp_dtensor", True, False
     mpu.initialize_model_parallel(pipeline_model_parallel_size=pp)
-    job._seed(args)
+    job.seed(args)
     config = arguments.core_transformer_config_from_args(args)
     gpt = GPTModel(
         config,
@@ -114,7 +114,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         model = _overwritten(_start(PP2, ckpt_dir, 2))
         rt["refusal"] = None
         try:
-            job._load(checkpointing.load_checkpoint, model, None, None)
+            job.load(checkpointing.load_checkpoint, model, None, None)
         except ValueError as exc:
             rt["refusal"] = str(exc).replace(ckpt_dir, "CKPT")
         if rt["refusal"] is None:
@@ -127,7 +127,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
                 )
         rt.phase("same layout")
         model = _overwritten(_start(PP1, ckpt_dir, 1))
-        iteration, _ = job._load(checkpointing.load_checkpoint, model, None, None)
+        iteration, _ = job.load(checkpointing.load_checkpoint, model, None, None)
         assert iteration == 1, iteration
         rt.compare(saved, _layers(model))
     return rt.result

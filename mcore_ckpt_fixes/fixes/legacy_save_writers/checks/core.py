@@ -107,10 +107,10 @@ def _save(checkpointing, cfg, save_dir, tp, cpu_gen):
     ITERATION; returns the model and its parameters as saved, and who wrote which file."""
     from megatron.core import parallel_state as mpu
 
-    args = job._args(cfg, save_dir, 2)  # 2 steps: the scheduler warms up for 1
+    args = job.parse_args(cfg, save_dir, 2)  # 2 steps: the scheduler warms up for 1
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=1)
-    job._seed(args)
-    model, optimizer, scheduler = job._build(args, cfg)
+    job.seed(args)
+    model, optimizer, scheduler = job.build(args, cfg)
     job.train_step(model, optimizer, scheduler, args, cpu_gen)  # an optimizer with state to save
     with _Writers(save_dir) as writers:
         checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
@@ -138,7 +138,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         with torch.no_grad():
             for p in model.module.parameters():
                 p.fill_(0)
-        iteration, _ = job._load(checkpointing.load_checkpoint, model, optimizer, scheduler)
+        iteration, _ = job.load(checkpointing.load_checkpoint, model, optimizer, scheduler)
         assert iteration == ITERATION, iteration
         rt.compare(saved, _params(model))
         rt.phase("shared")

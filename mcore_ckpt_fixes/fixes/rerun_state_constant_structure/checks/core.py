@@ -221,11 +221,11 @@ def _through_megatron_training(rt, training, ckpt_dir):
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, placement.current()) as cpu_gen:
-        args = job._args(cfg, ckpt_dir, 2)
+        args = job.parse_args(cfg, ckpt_dir, 2)
         args.ckpt_assume_constant_structure = True
         mpu.initialize_model_parallel()
-        job._seed(args)
-        model, optimizer, scheduler = job._build(args, cfg)
+        job.seed(args)
+        model, optimizer, scheduler = job.build(args, cfg)
         context = {}
         with _machine() as (machine, data):
             job.train_step(model, optimizer, scheduler, args, cpu_gen)
@@ -239,7 +239,7 @@ def _through_megatron_training(rt, training, ckpt_dir):
         paths = [training.get_checkpoint_name(ckpt_dir, it, return_base_dir=True) for it in (1, 2)]
         rt["on_disk"] = [on_disk(p) for p in paths]
         rt.phase("load")
-        model, optimizer, scheduler = job._build(args, cfg)
+        model, optimizer, scheduler = job.build(args, cfg)
         with _machine() as (machine, data):
             rt["iteration"] = training.load_checkpoint([model], optimizer, scheduler, checkpointing_context={})[0]
             rt["loaded"] = _view(machine)

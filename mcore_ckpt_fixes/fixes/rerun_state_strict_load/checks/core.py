@@ -156,10 +156,10 @@ def _through_megatron_training(rt, training, ckpt_dir):
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, placement.current()) as cpu_gen, _machine():
-        args = job._args(cfg, os.path.join(ckpt_dir, "training"), 2)  # warm-up 1 < decay
+        args = job.parse_args(cfg, os.path.join(ckpt_dir, "training"), 2)  # warm-up 1 < decay
         mpu.initialize_model_parallel()
-        job._seed(args)
-        model, optimizer, scheduler = job._build(args, cfg)
+        job.seed(args)
+        model, optimizer, scheduler = job.build(args, cfg)
         job.train_step(model, optimizer, scheduler, args, cpu_gen)
         training.save_checkpoint(1, [model], optimizer, scheduler, 0)
         saved = {n: p.detach().clone() for n, p in model.module.named_parameters()}
@@ -168,7 +168,7 @@ def _through_megatron_training(rt, training, ckpt_dir):
         rt["training_entry_on_disk"] = _has_entry(path)
         rt.phase("load")
         args.dist_ckpt_strictness = "raise_all"
-        model, optimizer, scheduler = job._build(args, cfg)
+        model, optimizer, scheduler = job.build(args, cfg)
         rt["iteration"] = training.load_checkpoint([model], optimizer, scheduler)[0]
         rt.compare(saved, {n: p.detach().clone() for n, p in model.module.named_parameters()}, prefix="gpt/")
 

@@ -115,10 +115,10 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
     with job.worker(cfg, placement.current()) as cpu_gen:
-        args = job._args(cfg, ckpt_dir, 2)
+        args = job.parse_args(cfg, ckpt_dir, 2)
         mpu.initialize_model_parallel()
-        job._seed(args)
-        model, optimizer, scheduler = job._build(args, cfg)
+        job.seed(args)
+        model, optimizer, scheduler = job.build(args, cfg)
         job.train_step(model, optimizer, scheduler, args, cpu_gen)
         saved = machine_checks._parameters(model)
         for case in cases:
@@ -131,7 +131,7 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
             dist.barrier()
             out["on_disk"] = machine_checks.on_disk(training.get_checkpoint_name(args.save, 1, return_base_dir=True))
             rt.phase("resume")
-            new_model, new_optimizer, new_scheduler = job._build(args, cfg)
+            new_model, new_optimizer, new_scheduler = job.build(args, cfg)
             with machine_checks._machine(TRANSIENT) as (machine, data):
                 with _resuming(out, machine, data):
                     out["iteration"] = training.load_checkpoint(

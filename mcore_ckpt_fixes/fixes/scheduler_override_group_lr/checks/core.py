@@ -141,10 +141,10 @@ def _through_megatron_training(rt, training, ckpt_dir, device):
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2, decoupled_lr=lrs(OLD)["decoupled_lr"])
     with job.worker(cfg, device) as cpu_gen:
-        args = job._args(cfg, os.path.join(ckpt_dir, "training"), 10)
+        args = job.parse_args(cfg, os.path.join(ckpt_dir, "training"), 10)
         mpu.initialize_model_parallel()
-        job._seed(args)
-        model, optimizer, scheduler = job._build(args, cfg)
+        job.seed(args)
+        model, optimizer, scheduler = job.build(args, cfg)
         for _ in range(STEPS):
             job.train_step(model, optimizer, scheduler, args, cpu_gen)
         training.save_checkpoint(STEPS, [model], optimizer, scheduler, 0)
@@ -153,9 +153,9 @@ def _through_megatron_training(rt, training, ckpt_dir, device):
         new = lrs(NEW)
         args.lr, args.min_lr, args.decoupled_lr = new["lr"], new["min_lr"], new["decoupled_lr"]
         args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler = True, False
-        model, optimizer, scheduler = job._build(args, cfg)
+        model, optimizer, scheduler = job.build(args, cfg)
         training.load_checkpoint([model], optimizer, scheduler)
-        _, reference, ref_scheduler = job._build(args, cfg)
+        _, reference, ref_scheduler = job.build(args, cfg)
         ref_scheduler.step(increment=STEPS * args.global_batch_size)
         rt.compare(groups(reference), groups(optimizer), prefix="training/")
 
