@@ -69,7 +69,14 @@ def _add_selftest(sub) -> None:
         type=_positive_int,
         default=None,
         help="run only the scenarios written for this many ranks (default: every scenario, "
-        "each at the world size it is written for)",
+        "each at the world size it is written for); with --resume: the configurations of up to this "
+        "many ranks (default 2; 8 runs every layout)",
+    )
+    p_self.add_argument(
+        "--config",
+        metavar="NAME[,NAME...]",
+        default=None,
+        help="with --resume: run only these configurations (comma-separated names, as docs/resume.md lists them)",
     )
     p_self.add_argument(
         "--fix",
@@ -163,7 +170,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.resume:
             from .cli.selftest_resume import run as run_resume
 
-            return run_resume(device=args.device, nproc=args.nproc, as_json=args.json, attribution=args.attribution)
+            names = None if args.config is None else [n.strip() for n in args.config.split(",") if n.strip()]
+            return run_resume(
+                device=args.device, nproc=args.nproc, as_json=args.json, attribution=args.attribution, names=names
+            )
+        if args.config is not None:
+            print("mcore-ckpt-fixes selftest: --config goes with --resume", file=sys.stderr)
+            return 2
         if args.attribution:
             print("mcore-ckpt-fixes selftest: --attribution goes with --resume", file=sys.stderr)
             return 2

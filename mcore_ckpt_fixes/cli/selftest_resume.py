@@ -139,7 +139,7 @@ def _modes(cfg, known, attribution) -> tuple:
     return ("on", "off", "only") if attribution and cfg.needs else ("on", "off")
 
 
-def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: bool = False) -> int:
+def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: bool = False, names=None) -> int:
     from mcore_ckpt_fixes.resume import check as resume
     from mcore_ckpt_fixes.resume.configs import KNOWN_BUG, KNOWN_FAILING
 
@@ -147,9 +147,16 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: boo
     if info.source == "absent":
         print("mcore-ckpt-fixes selftest: Megatron-Core is not importable in this environment", file=sys.stderr)
         return 2
-    configs = resume.chosen(nproc=nproc)
-    if not configs:  # decided before anything heavy is imported
-        print(f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} ranks", file=sys.stderr)
+    try:  # decided before anything heavy is imported
+        configs = resume.chosen(names, nproc)
+    except ValueError as exc:
+        print(f"mcore-ckpt-fixes selftest --resume: {exc}", file=sys.stderr)
+        return 2
+    if not configs:
+        print(
+            f"mcore-ckpt-fixes selftest --resume: no configuration runs on {nproc} rank{'s' * (nproc != 1)} or fewer",
+            file=sys.stderr,
+        )
         return 2
     # The first import of megatron.training: it sends the root logger to what sys.stdout is then
     # (its CustomHandler), and the fixes applied at that import log there. stdout is --json's.
@@ -177,7 +184,7 @@ def run(device: str = "cpu", nproc=None, as_json: bool = False, attribution: boo
         mcore_ckpt_fixes.revert()
         mcore_ckpt_fixes.apply()
         resume.prepare()
-        todo = configs + [c for c in KNOWN_FAILING if nproc is None or c.world == nproc]
+        todo = configs + [c for c in KNOWN_FAILING if names is None and c.world <= (nproc or resume.DEFAULT_NPROC)]
         for i, cfg in enumerate(todo, 1):
             progress(f"resume [{i}/{len(todo)}] {cfg.name} ...")
             start = time.monotonic()

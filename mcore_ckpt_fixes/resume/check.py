@@ -275,5 +275,24 @@ def not_applicable() -> str:
     return ""
 
 
+# selftest --resume's default world: the configurations of up to this many ranks.
+DEFAULT_NPROC = 2
+
+
 def chosen(names=None, nproc=None) -> list:
-    return [c for c in CONFIGS if (names is None or c.name in names) and (nproc is None or c.world == nproc)]
+    """The configurations to run: those named (every one, whatever its world, unless ``nproc`` is
+    given too), else those of up to ``nproc`` ranks (default :data:`DEFAULT_NPROC`). Raises
+    ValueError, one line, for an unknown name or a named configuration that needs more ranks."""
+    if names is None:
+        cap = DEFAULT_NPROC if nproc is None else nproc
+        return [c for c in CONFIGS if c.world <= cap]
+    known = {c.name: c for c in CONFIGS}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown configuration {', '.join(map(repr, unknown)) or '(none given)'}; accepted: {', '.join(known)}"
+        )
+    too_big = [f"{n} ({known[n].world} ranks)" for n in names if nproc is not None and known[n].world > nproc]
+    if too_big:
+        raise ValueError(f"--nproc {nproc} is too few for {', '.join(too_big)}")
+    return [c for c in CONFIGS if c.name in names]

@@ -251,6 +251,15 @@ CONFIGS = (
         optim_format="fully_reshardable",
     ),
     Config(
+        "gpt-pp2-dp2-overlap-buckets",
+        "dense GPT, PP=2 x DP=2 on 4 ranks, --overlap-grad-reduce with a 1,000-element bucket size "
+        "(the first stage's buffer in several buckets, the tied embedding in a bucket of its own on "
+        "both stages), distributed optimizer (dp_reshardable)",
+        world=4,
+        pp=2,
+        extra_args=("--overlap-grad-reduce", "--ddp-bucket-size", "1000"),
+    ),
+    Config(
         "gpt-tp2-pp2-sp",
         "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (dp_reshardable)",
         world=4,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 SEED = 1234
-VOCAB, SEQ, HIDDEN = 32, 8, 16
+VOCAB, SEQ = 32, 8
 
 
 def training_checkpointing():
@@ -58,7 +58,7 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
         "--num-layers",
         str(cfg.num_layers),
         "--hidden-size",
-        str(HIDDEN),
+        str(cfg.hidden),
         "--num-attention-heads",
         "2",
         "--seq-length",
@@ -68,7 +68,7 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
         "--micro-batch-size",
         "1",
         "--global-batch-size",
-        str(cfg.dp * cfg.microbatches),
+        str(cfg.global_batch_size),
         "--tensor-model-parallel-size",
         str(cfg.tp),
         "--pipeline-model-parallel-size",
@@ -413,6 +413,10 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         if cfg.resume_args:
             return _resume_each_way(cfg, ckpt_dir, steps, resume_at, cpu_gen)
         return _resume(cfg, args, steps, resume_at, cpu_gen)
+    if phase == "reload":
+        return _reload(cfg, args, steps, resume_at, cpu_gen)
+    if phase == "reference":
+        return _save_with_reference(cfg, args, resume_at, cpu_gen)
     model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
     out = {"coords": coords(), "losses": {}}
     if phase == "uninterrupted":
@@ -442,6 +446,56 @@ def _resume(cfg, args, steps, resume_at, cpu_gen):
         assert iteration == resume_at, f"load_checkpoint returned iteration {iteration}, saved {resume_at}"
     out["losses"] = train_steps(model, optimizer, scheduler, args, feed, resume_at + 1, steps)
     out["state"] = snapshot(model, optimizer, scheduler)
+    return out
+
+
+# The resume across layouts (mcore_ckpt_fixes.resume.layouts) compares two saves of the same state
+# in model space (the optimizer saved fully_reshardable, whatever format the run uses): the one the
+# saving layout writes beside its checkpoint, and the one the loading layout writes of what it loaded.
+def reference(ckpt_dir) -> str:
+    """Where the ``reference`` phase writes its model-space save beside the checkpoint ``ckpt_dir``."""
+    return ckpt_dir.rstrip("/") + ".reference"
+
+
+def resaved(ckpt_dir) -> str:
+    """Where the ``reload`` phase writes, in model space, what it loaded from ``ckpt_dir``."""
+    return ckpt_dir.rstrip("/") + ".resaved"
+
+
+def _save_in_model_space(args, iteration, model, optimizer, scheduler, save_dir):
+    from megatron.training.checkpointing import save_checkpoint
+
+    kept = args.save, args.dist_ckpt_optim_fully_reshardable
+    args.save, args.dist_ckpt_optim_fully_reshardable = save_dir, True
+    try:
+        save_checkpoint(iteration, chunks(model), optimizer, scheduler, 0)
+    finally:
+        args.save, args.dist_ckpt_optim_fully_reshardable = kept
+    dist.barrier()
+
+
+def _save_with_reference(cfg, args, resume_at, cpu_gen):
+    """Train ``resume_at`` steps, save the checkpoint as the run does, and beside it in model space."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    out = {"coords": coords(), "losses": train_steps(model, optimizer, scheduler, args, feed, 1, resume_at)}
+    save_checkpoint(resume_at, chunks(model), optimizer, scheduler, 0)
+    dist.barrier()
+    _save_in_model_space(args, resume_at, model, optimizer, scheduler, reference(args.save))
+    return out
+
+
+def _reload(cfg, args, steps, resume_at, cpu_gen):
+    """A job on another layout loads the checkpoint, saves what it loaded at once in model space
+    (before any step) and trains the remaining steps."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    out = {"coords": coords()}
+    out["iteration"], out["load_warnings"] = load_recording_warnings(load_checkpoint, model, optimizer, scheduler)
+    _save_in_model_space(args, out["iteration"], model, optimizer, scheduler, resaved(args.load))
+    out["losses"] = train_steps(model, optimizer, scheduler, args, feed, resume_at + 1, steps)
     return out
 
 
@@ -557,7 +611,8 @@ def worker(cfg, device):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run (``phase``: ``uninterrupted``, ``save`` or ``resume``); a world entry point
+    """One rank of one run (``phase``: ``uninterrupted``, ``save``, ``resume``, or for the resume
+    across layouts ``reference`` and ``reload``); a world entry point
     for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and
     its final state (:func:`snapshot`); ``save`` saves after ``resume_at`` steps and trains on to
     ``steps``, as a training run does."""

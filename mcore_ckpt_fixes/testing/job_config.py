@@ -16,6 +16,11 @@ class Config:
     tp: int = 1
     pp: int = 1  # pipeline stages (> 1: trained with Megatron's pipeline schedule, pipeline_job)
     vpp: int = 0  # virtual stages (model chunks) per pipeline rank: the interleaved schedule (0: none)
+    layers: int = 0  # transformer layers (0: two, or one per virtual stage where there are more)
+    hidden: int = 16  # hidden size (heads: two)
+    # Samples per step (0: one micro-batch per data-parallel rank, two per stage under PP). A job
+    # resumed on another layout keeps it, as the schedule saved with the checkpoint counts in samples.
+    global_batch: int = 0
     ep: int = 0  # expert-parallel size (0: a dense model)
     etp: int = 0  # expert-tensor-parallel size (0: Megatron's default, the TP size)
     distributed_optimizer: bool = True
@@ -66,8 +71,12 @@ class Config:
 
     @property
     def num_layers(self) -> int:
-        """Two layers, or one per (virtual) pipeline stage where there are more stages."""
-        return max(2, self.pp * max(self.vpp, 1))
+        """``layers``, else two, or one per (virtual) pipeline stage where there are more stages."""
+        return self.layers or max(2, self.pp * max(self.vpp, 1))
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.global_batch or self.dp * self.microbatches
 
     @property
     def microbatches(self) -> int:

@@ -80,8 +80,17 @@ def build(args, cfg):
     optimizer = get_megatron_optimizer(job.optimizer_config(args), model)
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:  # the schedule starts each chunk's reduction as its backward ends
+        config.no_sync_func = _per_chunk([chunk.no_sync for chunk in model])
+        if args.align_grad_reduce:
+            config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in model])
     config.finalize_model_grads_func = finalize_model_grads
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def _per_chunk(funcs):
+    """As ``train`` sets the schedule's hooks: one per model chunk, or the one where there is one."""
+    return funcs[0] if len(funcs) == 1 else funcs
 
 
 def _batches(cpu_gen):

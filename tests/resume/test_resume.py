@@ -320,15 +320,42 @@ def test_not_applicable_without_megatron_training():
     assert "not applicable here: megatron.training does not import" in proc.stderr
 
 
-def test_selftest_resume_bad_nproc_is_one_line_exit_2():
-    """No configuration for that world size: one clear line, exit 2, nothing run (where the check runs)."""
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--nproc", "1"], "no configuration runs on 1 rank or fewer"),
+        (
+            ["--config", "gpt-pp2,no-such"],
+            "unknown configuration 'no-such'; accepted: " + ", ".join(c.name for c in CONFIGS),
+        ),
+        (["--config", "gpt-tp2-pp2-dp2", "--nproc", "4"], "--nproc 4 is too few for gpt-tp2-pp2-dp2 (8 ranks)"),
+    ],
+    ids=["no-config-that-small", "unknown-config", "config-needs-more-ranks"],
+)
+def test_selftest_resume_bad_choice_is_one_line_exit_2(argv, line):
+    """No configuration for that world size, an unknown name, or a named one that needs more ranks
+    than --nproc gives: one clear line, exit 2, nothing run (where the check runs)."""
     _needs_training()
     from conftest import run_cli
 
-    proc = run_cli(["selftest", "--resume", "--nproc", "3"])
+    proc = run_cli(["selftest", "--resume", *argv])
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == "mcore-ckpt-fixes selftest --resume: no configuration runs on 3 ranks"
+    assert proc.stderr.strip() == f"mcore-ckpt-fixes selftest --resume: {line}"
     assert proc.stdout == ""
+
+
+def test_the_default_resume_check_runs_the_two_rank_configurations_and_nproc_8_every_one():
+    assert resume.chosen() == [c for c in CONFIGS if c.world <= 2]
+    assert resume.chosen(nproc=8) == list(CONFIGS)
+    assert [c.name for c in resume.chosen(["moe-pp2-ep2", "gpt-pp2"])] == ["gpt-pp2", "moe-pp2-ep2"]
+
+
+def test_config_without_resume_is_one_line_exit_2():
+    from conftest import run_cli
+
+    proc = run_cli(["selftest", "--config", "gpt-pp2"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mcore-ckpt-fixes selftest: --config goes with --resume"
 
 
 def test_attribution_without_resume_is_one_line_exit_2():

@@ -38,7 +38,8 @@ def _align_rng_state_request(sharded_state_dict, checkpoint_name):
     get_rng_state describes it per rank, (pp, tp, dp_cp). A checkpoint written before that holds one
     copy per (pp, tp) (the old 2-D layout): that copy is the best state there is, loaded with a
     warning. A rank whose dp_cp index the checkpoint lacks (saved with a smaller data-parallel size)
-    keeps its current state, with a warning.
+    keeps its current state, with a warning; after a data-parallel shrink every rank does (a
+    ShardedObject loads only whole: every stored shard requested by some rank).
     Returns (sharded_state_dict to load, RNG state to put back after loading or None).
     """
     import warnings
@@ -64,6 +65,14 @@ def _align_rng_state_request(sharded_state_dict, checkpoint_name):
         if stored_dp_cp == request.global_shape[2]:
             return sharded_state_dict, None
         sharded_state_dict = dict(sharded_state_dict)
+        if stored_dp_cp > request.global_shape[2]:
+            warnings.warn(
+                f'{checkpoint_name} holds RNG states for {stored_dp_cp} dp_cp ranks (saved with a larger '
+                f'data-parallel size than this run\'s {request.global_shape[2]}); this rank {where} keeps '
+                f'its current RNG state'
+            )
+            del sharded_state_dict['rng_state']
+            return sharded_state_dict, request.data
         if dp_cp_rank < stored_dp_cp:
             sharded_state_dict['rng_state'] = replace(request, global_shape=(*pp_tp_shape, stored_dp_cp))
             return sharded_state_dict, None

@@ -3,8 +3,9 @@
 A checkpoint holds the ``torch_dist`` RNG state in one of two layouts:
 
 * per rank, ``(pp, tp, dp_cp)``: written with this fix (or by upstream main). Read as it is, also
-  after a data-parallel resize while this rank's dp_cp index exists in it; a rank beyond the stored
-  extent keeps its current RNG state, with a warning.
+  after a data-parallel growth while this rank's dp_cp index exists in it; a rank beyond the stored
+  extent keeps its current RNG state, with a warning. After a data-parallel shrink every rank keeps
+  its current RNG state, with a warning: ``dist_checkpointing`` loads a ShardedObject only whole.
 * the old 2-D ``(pp, tp)`` layout of an unfixed release: one copy per (pp, tp), written by a single
   data-parallel rank. Read (it is the best state there is) with a warning that names the old layout,
   on every rank whose restored state is not its own (:func:`restores_own_copy`); on the others the
@@ -62,6 +63,15 @@ def align_rng_request(template, checkpoint_dir):
         stored_dp_cp = per_rank[0][1][2]
         if stored_dp_cp == dp_cp_size:
             return template, None
+        if stored_dp_cp > dp_cp_size:
+            # dist_checkpointing loads a ShardedObject only whole (every stored shard requested by
+            # some rank): fewer ranks cannot ask for their own entries. The release, too, restores
+            # no per-rank RNG state where the layout changed (TP or PP); nor does this rank.
+            return None, (
+                f"mcore_ckpt_fixes: {ID}: {checkpoint_dir} holds RNG states for {stored_dp_cp} dp_cp ranks "
+                f"(saved with a larger data-parallel size than this run's {dp_cp_size}); this rank {where} "
+                f"keeps its current RNG state"
+            )
         if dp_cp_rank < stored_dp_cp:
             return dataclasses.replace(template, global_shape=(*pp_tp_shape, stored_dp_cp)), None
         return None, (

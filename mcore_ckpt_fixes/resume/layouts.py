@@ -1,0 +1,214 @@
+"""Resume on another layout: a job saves on one parallel layout and resumes on another.
+
+Per change (:data:`CHANGES`), with the fixes at their defaults and with every fix off: a world of
+the saved layout trains :data:`~.check.RESUME_AT` steps and saves (``save_checkpoint``); a world of
+the new layout loads it (``load_checkpoint``), saves what it loaded at once, before any step, as its
+own layout writes it (the ``reload`` phase of :mod:`..testing.gpt_job`), and trains the remaining
+steps. The two checkpoints are then read back here as full tensors (every tensor of the
+``torch_dist`` checkpoint at its global shape, through DCP without a process group) and compared
+bit for bit, key by key: every parameter, the fp32 main parameters and the Adam moments of a
+``fully_reshardable`` optimizer (``step`` lives in its param groups, in the common state), and of the
+common state the iteration and the scheduler. What only one layout can carry is left out, by name:
+the RNG states and the rerun state machine (per rank: ``load_checkpoint`` ignores them where the
+layout changed), and the arguments the run was started with.
+
+Verdicts per change and mode: ``exact`` (the same keys, every tensor the same bits; the iteration
+and the scheduler the same), ``refused`` (the new layout's load failed: the error, which the
+release must give too), ``differs`` (loaded, but something differs: a defect). With the fixes the
+verdict must be the release's own where the release is exact or refuses ("never worse").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from ..testing.job_config import Config
+from . import check
+
+# Common-state entries a layout change may legitimately change (module doc).
+PER_LAYOUT = ("args", "rng_state", "rerun_state_machine", "checkpoint_version", "num_floating_point_operations_so_far")
+
+
+# Samples per step on every layout: a job resumed elsewhere keeps its global batch (its schedule
+# counts samples); four divide among 1, 2 or 4 data-parallel ranks and 2 pipeline stages.
+GLOBAL_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    saved: Config
+    loaded: Config
+    # What the release does on this change ("exact", or the one line it refuses with), as measured.
+    release: str = "exact"
+
+
+def _dense(name, world, tp=1, pp=1, vpp=0, optim_format="fully_reshardable", layers=0) -> Config:
+    return Config(
+        name,
+        f"dense GPT, TP={tp} PP={pp} VPP={vpp or 1} on {world} ranks ({optim_format})",
+        world=world,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        optim_format=optim_format,
+        layers=layers,
+        global_batch=GLOBAL_BATCH,
+    )
+
+
+def _moe(name, world, ep, optim_format="fully_reshardable") -> Config:
+    return Config(
+        name,
+        f"MoE GPT, EP={ep} on {world} ranks ({optim_format})",
+        world=world,
+        ep=ep,
+        optim_format=optim_format,
+        global_batch=GLOBAL_BATCH,
+        # Without biases on both sides: with EP=1 an expert's output is returned as a view that
+        # SequentialMLP adds the bias to in place, which autograd rejects (as under expert TP 1).
+        extra_args=("--disable-bias-linear",),
+    )
+
+
+CHANGES = (
+    Change("tp2-to-tp1", _dense("tp2", 2, tp=2), _dense("tp1-dp2", 2)),
+    Change("tp1-to-tp2", _dense("tp1-dp2", 2), _dense("tp2", 2, tp=2)),
+    Change("pp1-to-pp2", _dense("tp1-dp2", 2), _dense("pp2", 2, pp=2)),
+    Change("pp2-to-pp1", _dense("pp2", 2, pp=2), _dense("tp1-dp2", 2)),
+    # Four layers on both sides: one per virtual stage, or two per stage.
+    Change("vpp2-to-vpp1", _dense("pp2-vpp2", 2, pp=2, vpp=2), _dense("pp2-4l", 2, pp=2, layers=4)),
+    Change("vpp1-to-vpp2", _dense("pp2-4l", 2, pp=2, layers=4), _dense("pp2-vpp2", 2, pp=2, vpp=2)),
+    Change("dp2-to-dp4", _dense("dp2", 2), _dense("dp4", 4)),
+    Change("dp4-to-dp2", _dense("dp4", 4), _dense("dp2", 2)),
+    Change("dp2-to-dp1", _dense("dp2", 2), _dense("dp1", 1)),
+    Change("ep2-to-ep1", _moe("ep2", 2, 2), _moe("ep1-dp2", 2, 1)),
+    Change("ep1-to-ep2", _moe("ep1-dp2", 2, 1), _moe("ep2", 2, 2)),
+    Change("tp2pp1-to-tp1pp2", _dense("tp2", 2, tp=2), _dense("pp2", 2, pp=2)),
+    Change(
+        "dp2-to-dp4-dp-reshardable",
+        _dense("dp2-dpr", 2, optim_format="dp_reshardable"),
+        _dense("dp4-dpr", 4, optim_format="dp_reshardable"),
+    ),
+    Change(
+        "tp2-to-tp1-dp-reshardable",
+        _dense("tp2-dpr", 2, tp=2, optim_format="dp_reshardable"),
+        _dense("tp1-dp2-dpr", 2, optim_format="dp_reshardable"),
+    ),
+)
+
+
+def by_name(name: str) -> Change:
+    for change in CHANGES:
+        if change.name == name:
+            return change
+    raise KeyError(f"unknown layout change {name!r}; known: {', '.join(c.name for c in CHANGES)}")
+
+
+def full_tensors(ckpt_dir: str) -> dict:
+    """Every tensor of a ``torch_dist`` checkpoint directory at its global shape, read through DCP
+    in this process alone (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(ckpt_dir)
+    metadata = reader.read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def common_state(ckpt_dir: str) -> dict:
+    """The checkpoint's common state (``common.pt`` up to 0.18, embedded from 0.19), as Megatron reads it."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(ckpt_dir)
+
+
+def _iter_dir(root: str) -> str:
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        return os.path.join(root, f"iter_{int(f.read().strip()):07d}")
+
+
+def compare(saved_root: str, loaded_root: str) -> dict:
+    """The two checkpoints as full tensors and common state: what differs, by name."""
+    from .compare import same
+
+    saved_dir, loaded_dir = _iter_dir(saved_root), _iter_dir(loaded_root)
+    a, b = full_tensors(saved_dir), full_tensors(loaded_dir)
+    differ = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
+    ca, cb = common_state(saved_dir), common_state(loaded_dir)
+    for key in sorted((set(ca) | set(cb)) - set(PER_LAYOUT)):
+        if key not in ca or key not in cb or not _same_common(ca[key], cb[key]):
+            differ.append(f"common:{key}")
+    return {"n_compared": len(set(a) | set(b)), "differ": differ}
+
+
+def _same_common(x, y) -> bool:
+    from .compare import same
+
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same_common(x[k], y[k]) for k in x)
+    return same(x, y)
+
+
+def _world(cfg, phase, ckpt_dir, mode, device, timeout):
+    return check._world(cfg, phase, ckpt_dir, check.MODES[mode], device, timeout)
+
+
+def _one_mode(change, mode, device, timeout) -> dict:
+    from ..testing.gpt_job import reference, resaved
+
+    root = tempfile.mkdtemp(prefix=f"mcore-ckpt-fixes-layouts-{change.name}-{mode}-")
+    saved = os.path.join(root, "saved")
+    try:
+        _, error, detail = _world(change.saved, "reference", saved, mode, device, timeout)
+        if error:
+            return {"verdict": "error", "error": error, "detail": detail}
+        values, error, detail = _world(change.loaded, "reload", saved, mode, device, timeout)
+        if error:
+            return {"verdict": "refused", "error": error, "detail": detail}
+        out = {"iteration": sorted({v["iteration"] for v in values}), **compare(reference(saved), resaved(saved))}
+        out["load_warnings"] = sorted({w for v in values for w in v["load_warnings"]})
+        exact = not out["differ"] and out["iteration"] == [check.RESUME_AT]
+        return {"verdict": "exact" if exact else "differs", **out}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def release_line(verdict: dict) -> str:
+    """The one line a refusal is known by: its last line, without the rank that raised it first."""
+    if verdict["verdict"] != "refused":
+        return verdict["verdict"]
+    return verdict["error"].split(": ", 2)[-1]
+
+
+def run_change(change: Change, device: str = "cpu", modes=("on", "off"), timeout: float = 240.0) -> dict:
+    """One change's report: per mode its verdict, and whether the fixes are never worse than the
+    release (``as_release``: with them exact where the release is exact, and refusing with the
+    release's own error where it refuses)."""
+    out = {"change": change.name, "saved": change.saved.name, "loaded": change.loaded.name}
+    for mode in modes:
+        out[mode] = _one_mode(change, mode, device, timeout)
+    if "on" in out and "off" in out:
+        on, off = out["on"], out["off"]
+        out["as_release"] = (
+            on["verdict"] == "exact"
+            if off["verdict"] == "exact"
+            else (on["verdict"] == "exact" or release_line(on) == release_line(off))
+        )
+    return out
+
+
+def prepare() -> Optional[str]:
+    check.prepare()
+    return None
