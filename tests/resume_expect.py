@@ -104,7 +104,10 @@ def assert_without_the_fixes(cfg, out):
         _assert_legacy_file_never_written(off)
         return
     if out["needed_here"] == ["dp-reshardable-padding"]:
-        _assert_all_padding_shard_refused(off)
+        if cfg.pp > 1:
+            _assert_padding_past_the_unpadded_end_refused(off)
+        else:
+            _assert_all_padding_shard_refused(off)
         return
     assert off["verdict"] != "error", resume_fail_text(off)
     if not out["needed_here"]:
@@ -145,6 +148,17 @@ def _assert_all_padding_shard_refused(off):
     assert off["verdict"] == "error", resume_fail_text(off)
     assert off["error"] == "save run: rank 1: AssertionError: empty bucket encountered", off["error"]
     assert "sharded_param_state_dp_reshardable" in off["detail"] and "save_checkpoint" in off["detail"], off["detail"]
+
+
+def _assert_padding_past_the_unpadded_end_refused(off):
+    """PP=2 x DP=2 with tied embeddings, every fix off: on the first stage the bucket before the word
+    embedding is declared up to the embedding's 64-aligned start, and data-parallel rank 1 describes
+    its padding on to the padded end; torch DCP rejects the plan on the coordinator, global rank 0
+    (NVIDIA/Megatron-LM#5898)."""
+    assert off["verdict"] == "error", resume_fail_text(off)
+    head = "save run: rank 0: ValueError: Failed to validate global plan: key:optimizer.distributed.dp_group_idx_0."
+    assert off["error"].startswith(head) and "out of bounds chunk" in off["error"], off["error"]
+    assert "save_checkpoint" in off["detail"], off["detail"][-2000:]
 
 
 def _assert_legacy_file_never_written(off):

@@ -173,12 +173,7 @@ def _choose_iteration(report: Report, root: str, names, iteration: Optional[int]
                 f"(on disk: {_list_iters(on_disk, has_release)})",
             )
             return None
-        later = [i for i in on_disk if tr_iter is not None and i > tr_iter]
-        if later:
-            report.note(
-                f"{len(later)} newer iteration directories than the tracker's ({tracker.iteration_dirname(later[-1])} "
-                "is the newest): unfinished saves, or the tracker was not updated"
-            )
+        _newer_than_the_tracker(report, root, [i for i in on_disk if tr_iter is not None and i > tr_iter])
         return os.path.join(root, chosen)
 
     # No usable tracker: inspect what a user would look at next, the newest directory.
@@ -189,6 +184,23 @@ def _choose_iteration(report: Report, root: str, names, iteration: Optional[int]
     report["release"] = newest == "release"
     report.note(f"inspecting the newest directory on disk, {newest}")
     return os.path.join(root, newest)
+
+
+def _newer_than_the_tracker(report: Report, root: str, later) -> None:
+    """Iteration directories past the tracker's: each one named with what it lacks (a save that
+    died before finishing) or as finished but never recorded. Megatron loads the tracker's."""
+    newer = []
+    for it in later:
+        name = tracker.iteration_dirname(it)
+        state = tracker.unfinished_save(os.path.join(root, name))
+        newer.append({"iteration": it, "directory": name, "complete": state is None, "state": state or "finished"})
+        report.note(
+            f"{name}, newer than the tracker's: "
+            + (state or "a finished save the tracker does not record (the save stopped before updating it)")
+            + "; Megatron loads the tracker's iteration"
+        )
+    if newer:
+        report["newer_iterations"] = newer
 
 
 def _list_iters(on_disk, has_release) -> str:

@@ -63,3 +63,25 @@ def read_tracker(root: str) -> Tuple[Optional[str], Optional[int], bool, Optiona
     if iteration < 0:
         return text, None, False, f"{TRACKER} holds {iteration}: Megatron requires an iteration >= 0"
     return text, iteration, False, None
+
+
+# What a torch_dist / DCP save writes last: the coordinator's .metadata once every rank's data is
+# written, then metadata.json (Megatron's sharded_backend record); the tracker after both.
+_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def unfinished_save(path: str) -> Optional[str]:
+    """What an iteration directory newer than the tracker lacks, in one phrase, or None where it is
+    a finished distributed save (the tracker alone was not updated) or not one at all."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return "unreadable"
+    ranks = sorted({int(m.group(1)) for m in map(_DATA.match, names) if m})
+    missing = [name for name in (".metadata", "metadata.json") if name not in names]
+    if not missing:
+        return None
+    if not ranks and not any(n.startswith("mp_rank_") for n in names):
+        return f"incomplete: empty of checkpoint files (no {', no '.join(missing)})"
+    data = f"data files of {len(ranks)} rank{'s' * (len(ranks) != 1)}" if ranks else "legacy mp_rank_* files"
+    return f"incomplete: {data}, no {', no '.join(missing)} (the save stopped before its coordinator finished)"

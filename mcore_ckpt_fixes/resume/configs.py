@@ -260,6 +260,16 @@ CONFIGS = (
         extra_args=("--overlap-grad-reduce", "--ddp-bucket-size", "1000"),
     ),
     Config(
+        "gpt-pp2-dp2-tied-padding",
+        "dense GPT, PP=2 x DP=2 on 4 ranks, hidden size 26: on the first stage the bucket before the tied "
+        "word embedding ends at its 64-aligned start, past its last parameter, and data-parallel rank 1's "
+        "shard runs on into the bucket's padding (NVIDIA/Megatron-LM#5898), distributed optimizer (dp_reshardable)",
+        world=4,
+        pp=2,
+        hidden=26,
+        needs=("dp-reshardable-padding",),
+    ),
+    Config(
         "gpt-tp2-pp2-sp",
         "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (dp_reshardable)",
         world=4,

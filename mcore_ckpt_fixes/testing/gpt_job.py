@@ -227,7 +227,14 @@ def build(args, cfg):
 
     config = arguments.core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(num_experts=cfg.ep or None, moe_grouped_gemm=False)
-    gpt = GPTModel(config, spec, vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings)
+    gpt = GPTModel(
+        config,
+        spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        # Tied, as pretrain_gpt ties them unless --untie-embeddings-and-output-weights.
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
@@ -372,7 +379,7 @@ def train_steps(model, optimizer, scheduler, args, feed, first, last):
     return {i: step(model, optimizer, scheduler, args, feed) for i in range(first, last + 1)}
 
 
-def _start(cfg, args, cpu_gen):
+def start(cfg, args, cpu_gen):
     """What ``initialize_megatron`` and ``setup_model_and_optimizer`` do for this job once the
     parallel state is up: the rerun state machine, the seeds, then the model, optimizer and
     scheduler; with them what the steps draw samples from (:func:`train_steps`). A pipeline
@@ -417,7 +424,9 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
         return _reload(cfg, args, steps, resume_at, cpu_gen)
     if phase == "reference":
         return _save_with_reference(cfg, args, resume_at, cpu_gen)
-    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    if phase == "interrupted":
+        return _save_then_die_saving(cfg, args, resume_at, cpu_gen)
+    model, optimizer, scheduler, feed = start(cfg, args, cpu_gen)
     out = {"coords": coords(), "losses": {}}
     if phase == "uninterrupted":
         out["losses"] = train_steps(model, optimizer, scheduler, args, feed, 1, steps)
@@ -436,7 +445,7 @@ def _resume(cfg, args, steps, resume_at, cpu_gen):
     """Run C: a newly built job loads the checkpoint and trains the remaining steps."""
     from megatron.training.checkpointing import load_checkpoint
 
-    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    model, optimizer, scheduler, feed = start(cfg, args, cpu_gen)
     out = {"coords": coords()}
     # Recorded, not only shown: a load that reads an older layout must say so (a warning), and
     # the check across releases reports what each load said.
@@ -478,7 +487,7 @@ def _save_with_reference(cfg, args, resume_at, cpu_gen):
     """Train ``resume_at`` steps, save the checkpoint as the run does, and beside it in model space."""
     from megatron.training.checkpointing import save_checkpoint
 
-    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    model, optimizer, scheduler, feed = start(cfg, args, cpu_gen)
     out = {"coords": coords(), "losses": train_steps(model, optimizer, scheduler, args, feed, 1, resume_at)}
     save_checkpoint(resume_at, chunks(model), optimizer, scheduler, 0)
     dist.barrier()
@@ -486,12 +495,30 @@ def _save_with_reference(cfg, args, resume_at, cpu_gen):
     return out
 
 
+def _save_then_die_saving(cfg, args, resume_at, cpu_gen):
+    """Train ``resume_at`` steps and save; train one more and save again, the last rank killed in
+    that save after writing its own shards (:mod:`._interrupt`): the job dies there."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    from ._interrupt import dies_after_writing
+
+    model, optimizer, scheduler, feed = start(cfg, args, cpu_gen)
+    train_steps(model, optimizer, scheduler, args, feed, 1, resume_at)
+    save_checkpoint(resume_at, chunks(model), optimizer, scheduler, 0)
+    dist.barrier()
+    train_steps(model, optimizer, scheduler, args, feed, resume_at + 1, resume_at + 1)
+    with dies_after_writing(cfg.world - 1):
+        save_checkpoint(resume_at + 1, chunks(model), optimizer, scheduler, 0)
+    dist.barrier()
+    raise AssertionError("the save with a killed rank completed")
+
+
 def _reload(cfg, args, steps, resume_at, cpu_gen):
     """A job on another layout loads the checkpoint, saves what it loaded at once in model space
     (before any step) and trains the remaining steps."""
     from megatron.training.checkpointing import load_checkpoint
 
-    model, optimizer, scheduler, feed = _start(cfg, args, cpu_gen)
+    model, optimizer, scheduler, feed = start(cfg, args, cpu_gen)
     out = {"coords": coords()}
     out["iteration"], out["load_warnings"] = load_recording_warnings(load_checkpoint, model, optimizer, scheduler)
     _save_in_model_space(args, out["iteration"], model, optimizer, scheduler, resaved(args.load))
@@ -611,8 +638,8 @@ def worker(cfg, device):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run (``phase``: ``uninterrupted``, ``save``, ``resume``, or for the resume
-    across layouts ``reference`` and ``reload``); a world entry point
+    """One rank of one run (``phase``: ``uninterrupted``, ``save``, ``resume``, ``interrupted`` (the
+    second save dies halfway), or for the resume across layouts ``reference`` and ``reload``); a world entry point
     for :func:`mcore_ckpt_fixes.testing.launcher.run_world`. Returns this rank's losses by step and
     its final state (:func:`snapshot`); ``save`` saves after ``resume_at`` steps and trains on to
     ``steps``, as a training run does."""

@@ -64,6 +64,10 @@ def model_provider(args, cfg, pre_process=True, post_process=True, vp_stage=None
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
+        # Tied, as pretrain_gpt ties them unless --untie-embeddings-and-output-weights: the last
+        # stage's output layer is a copy of the first stage's word embedding, kept equal through the
+        # embedding group, each in a gradient bucket of its own.
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         **where,
     )
 

@@ -52,3 +52,26 @@ def test_not_a_checkpoint(tmp_path):
         inspect(str(tmp_path))
     with pytest.raises(Unreadable, match="no such directory"):
         inspect(str(tmp_path / "absent"))
+
+
+def test_newer_iterations_than_the_tracker_are_named_with_what_they_lack(saved, copy_of):
+    """A save that died halfway (data files, no .metadata) and one that finished but was never
+    recorded in the tracker: both named, the checkpoint itself still clean (Megatron loads the
+    tracker's iteration). The resume after a rank killed mid-save: tests/resume/test_interrupted_save.py."""
+    import shutil
+
+    root = copy_of(saved["torch_dist"])
+    died, unrecorded = os.path.join(root, "iter_0000020"), os.path.join(root, "iter_0000030")
+    shutil.copytree(os.path.join(root, "iter_0000010"), unrecorded)
+    os.makedirs(died)
+    for name in sorted(os.listdir(unrecorded)):
+        if name.endswith(".distcp") and name.startswith("__1_"):
+            shutil.copy(os.path.join(unrecorded, name), died)
+    r = inspect(root, ep=1)
+    assert r.ok and r["iteration"] == 10, r.problems
+    assert [(n["iteration"], n["complete"]) for n in r["newer_iterations"]] == [(20, False), (30, True)]
+    assert r["newer_iterations"][0]["state"] == (
+        "incomplete: data files of 1 rank, no .metadata, no metadata.json (the save stopped before its "
+        "coordinator finished)"
+    )
+    assert "iter_0000030, newer than the tracker's: a finished save the tracker does not record" in " ".join(r.notes)

@@ -76,6 +76,9 @@ def test_the_comparison_sees_one_changed_byte(tmp_path):
     """The full-tensor comparison is not vacuous: a copy of a model-space save compares exact, and the
     same copy with one byte of one tensor's stored data changed differs in that tensor alone."""
     _needs_training()
+    import io
+
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -93,12 +96,18 @@ def test_the_comparison_sees_one_changed_byte(tmp_path):
     iter_dir = os.path.join(copy, f"iter_{check.RESUME_AT:07d}")
     metadata = dcp.FileSystemReader(iter_dir).read_metadata()
     key = next(
-        k for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata) and "exp_avg_sq" in k
+        k
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata) and k.startswith("optimizer.state.exp_avg_sq.") and m.size.numel() > 64
     )
     index, where = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == key)
+    # DCP stores each chunk as a torch.save blob, the tensor's bytes uncompressed inside it.
     with open(os.path.join(iter_dir, where.relative_path), "r+b") as f:
-        f.seek(where.offset + where.length // 2)
-        byte = f.read(1)
-        f.seek(where.offset + where.length // 2)
-        f.write(bytes([byte[0] ^ 0x40]))
+        f.seek(where.offset)
+        blob = f.read(where.length)
+        raw = torch.load(io.BytesIO(blob), weights_only=True).contiguous().view(torch.uint8).numpy().tobytes()
+        at = blob.find(raw)
+        assert at >= 0, index
+        f.seek(where.offset + at)
+        f.write(bytes([raw[0] ^ 0x40]))
     assert layouts.compare(reference(saved), copy)["differ"] == [key], index

@@ -1,0 +1,115 @@
+"""What the fixes cost where users pay for checkpoints: ``save_checkpoint`` and ``load_checkpoint``
+wall time of a job of over 100M parameters, fixes on against off, as ratios taken in one run.
+
+Two layouts on 4 CPU ranks (gloo): a dense GPT, PP=2 x DP=2 (hidden 1024, 8 layers: 101M
+parameters), and a MoE GPT, EP=2 on 4 ranks (DP=4, expert DP=2; hidden 1024, 6 layers, two experts: 126M);
+the distributed optimizer (dp_reshardable), bf16, Megatron's own model, DDP, optimizer and
+``megatron.training.checkpointing`` (:mod:`mcore_ckpt_fixes.testing.gpt_job`, one training step
+first so that the optimizer has its state). In one world per layout, ROUNDS rounds, each saving and
+loading once with the fixes applied and once with them reverted (``mcore_ckpt_fixes.revert()`` /
+``apply()``), the order alternating from round to round; every save and every load is timed between
+barriers (the slowest rank's time). Reported per layout: the median time of each, and the ratios
+fixes-on / fixes-off (goal: <= 1.02).
+
+    PYTHONPATH=$E/mcore-0.19.2:. $E/py3.12/bin/python benchmarks/checkpoint_save_load.py [ROUNDS]
+"""
+
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from mcore_ckpt_fixes.testing.job_config import Config
+
+ROUNDS = 4
+LAYOUTS = (
+    Config("bench-dense-pp2-dp2", "dense GPT, PP=2 x DP=2", world=4, pp=2, hidden=1024, layers=8),
+    Config("bench-moe-ep2", "MoE GPT, EP=2 on 4 ranks (DP=4, expert DP=2)", world=4, ep=2, hidden=1024, layers=6),
+)
+
+
+def _timed(fn):
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def rank_main(rank, world_size, cfg, ckpt_dir, rounds):
+    """One rank: build, train one step, then time the saves and loads with the fixes on and off."""
+    import torch.distributed as dist
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    import mcore_ckpt_fixes
+    from mcore_ckpt_fixes.testing import gpt_job as job
+
+    with job.worker(cfg, "cpu") as cpu_gen:
+        args = job.parse_args(cfg, ckpt_dir, steps=2)
+        job.initialize_parallel(cfg, args)
+        model, optimizer, scheduler, feed = job.start(cfg, args, cpu_gen)
+        job.train_steps(model, optimizer, scheduler, args, feed, 1, 1)
+        params = sum(p.numel() for chunk in job.chunks(model) for p in chunk.parameters())
+        times = {"on": {"save": [], "load": []}, "off": {"save": [], "load": []}}
+        for r in range(rounds):
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                mcore_ckpt_fixes.revert()
+                if mode == "on":
+                    mcore_ckpt_fixes.apply()
+                iteration = 1 + 2 * r + (mode == "off")
+                times[mode]["save"].append(
+                    _timed(lambda: save_checkpoint(iteration, job.chunks(model), optimizer, scheduler, 0))
+                )
+                times[mode]["load"].append(_timed(lambda: job.load(load_checkpoint, model, optimizer, scheduler)))
+                if rank == 0:
+                    shutil.rmtree(f"{ckpt_dir}/iter_{iteration:07d}", ignore_errors=True)
+        mcore_ckpt_fixes.revert()
+        mcore_ckpt_fixes.apply()
+        total = [None] * world_size
+        dist.all_gather_object(total, params)
+        return {"params": sum(total), "times": times}
+
+
+def main(rounds: int) -> int:
+    from mcore_ckpt_fixes.engine.version import detect
+    from mcore_ckpt_fixes.resume import check
+    from mcore_ckpt_fixes.testing.launcher import run_world
+
+    check.prepare()
+    rows = []
+    for cfg in LAYOUTS:
+        work = tempfile.mkdtemp(prefix="ckpt-bench-")
+        kwargs = {"cfg": cfg, "ckpt_dir": work, "rounds": rounds}
+        results = run_world("__main__:rank_main", cfg.world, kwargs, timeout=3600, env={"MCORE_CKPT_FIXES": "auto"})
+        shutil.rmtree(work, ignore_errors=True)
+        bad = [r for r in results if not r.ok]
+        if bad:
+            print(f"{cfg.name}: rank {bad[0].rank} failed:\n{bad[0].error}", file=sys.stderr)
+            return 1
+        # Each rank timed the same barriers: the slowest rank's view is the wall time.
+        med = {
+            mode: {
+                op: statistics.median(max(r.value["times"][mode][op][i] for r in results) for i in range(rounds))
+                for op in ("save", "load")
+            }
+            for mode in ("on", "off")
+        }
+        rows.append(
+            {
+                "layout": cfg.summary,
+                "parameters": results[0].value["params"],
+                "median_s": med,
+                "ratio_save": round(med["on"]["save"] / med["off"]["save"], 3),
+                "ratio_load": round(med["on"]["load"] / med["off"]["load"], 3),
+            }
+        )
+    print(json.dumps({"megatron_core": str(detect().version), "rounds": rounds, "layouts": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS))

@@ -1,0 +1,55 @@
+"""A save that dies halfway, with the fixes on: the job saves at step 2, trains step 3 and saves
+again, and its last rank is killed in that save once its own shards are written (before the save's
+metadata and Megatron's tracker file; mcore_ckpt_fixes/testing/_interrupt.py). The resumed job, in
+new processes, must load step 2's checkpoint and continue exactly as the run that never stopped;
+the doctor must name iteration 3 as an unfinished save and say what it lacks.
+
+Asynchronous saves are not part of this: on a CPU host megatron.training cannot save asynchronously
+(docs/resume.md, "Not run").
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import megatron_version, resume_fail_text
+
+from mcore_ckpt_fixes.doctor import inspect
+from mcore_ckpt_fixes.resume import check
+from mcore_ckpt_fixes.resume.configs import by_name
+
+# What a DCP save writes last, after every rank's data (0.17 and 0.18 write common.pt first).
+FINISHED_LAST = "no .metadata, no metadata.json (the save stopped before its coordinator finished)"
+
+
+@pytest.mark.parametrize("name", ["gpt-pp2", "moe-ep2"])
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_to_resume_from_exactly(name, tmp_path):
+    why = check.not_applicable()
+    if why:
+        version = megatron_version()
+        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
+        pytest.skip(f"not applicable on {version}: {why}")
+    cfg = by_name(name)
+    check.prepare()
+    uninterrupted, error, detail = check._world(
+        cfg, "uninterrupted", str(tmp_path / "a"), check.MODES["off"], "cpu", 240.0
+    )
+    assert error is None, detail
+    ckpt = str(tmp_path / "ckpt")
+    _, error, _ = check._world(cfg, "interrupted", ckpt, check.MODES["on"], "cpu", 120.0)
+    assert error == f"interrupted run: rank {cfg.world - 1}: rank {cfg.world - 1} exited without a result (crashed?)"
+
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(check.RESUME_AT)
+    report = inspect(ckpt)
+    assert report.ok and report["iteration"] == check.RESUME_AT, report.problems
+    (newer,) = report["newer_iterations"]
+    assert newer["iteration"] == check.RESUME_AT + 1 and not newer["complete"], newer
+    assert newer["state"] == f"incomplete: data files of {cfg.world} ranks, {FINISHED_LAST}", newer
+
+    resumed, error, detail = check._world(cfg, "resume", ckpt, check.MODES["on"], "cpu", 240.0)
+    assert error is None, detail
+    verdict = check._verdict(uninterrupted, resumed)
+    assert verdict["verdict"] == "exact", resume_fail_text(verdict)
+    assert [r["iteration"] for r in verdict["ranks"]] == [check.RESUME_AT] * cfg.world
