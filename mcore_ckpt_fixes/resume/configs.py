@@ -270,6 +270,17 @@ CONFIGS = (
         needs=("dp-reshardable-padding",),
     ),
     Config(
+        "gpt-pp2-strict-validate-results",
+        "dense GPT, PP=2, distributed optimizer (dp_reshardable), --rerun-mode validate_results and "
+        "--dist-ckpt-strictness raise_all: the rerun state machine's entry saved and loaded per stage",
+        world=2,
+        pp=2,
+        strictness="raise_all",
+        rerun_mode="validate_results",
+        needs=("rerun-state-strict-load",),
+        needs_releases=">=0.18",
+    ),
+    Config(
         "gpt-tp2-pp2-sp",
         "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (dp_reshardable)",
         world=4,

@@ -1,5 +1,7 @@
-"""One rank of a resume-check run trained with Megatron's pipeline schedule (PP > 1, interleaved
-where the configuration has virtual stages).
+"""The resume-check GPT built and stepped with Megatron's pipeline schedule (PP > 1, interleaved
+where the configuration has virtual stages): :func:`.gpt_job.start` builds a pipeline configuration
+here and :func:`.gpt_job.train_steps` steps its model chunks here; everything else (arguments,
+seeds, checkpoint calls, snapshot, the phases) is :mod:`.gpt_job`'s.
 
 The GPT of :mod:`.gpt_job` (its arguments, seeds, batches, RNG draws, snapshot and checkpoint
 calls), built and trained as ``megatron.training`` builds and trains it:

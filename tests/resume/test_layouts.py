@@ -34,7 +34,7 @@ RELEASE = {
     "ep1-to-ep2": "RuntimeError: Expected 2 entries in state dict, but got 4.",
     "tp2-to-tp1-dp-reshardable": REFUSED_TP_PP,
 }
-OLDER_LINES = ("tp2-to-tp1", "pp1-to-pp2", "vpp2-to-vpp1", "dp4-to-dp2", "ep2-to-ep1")
+OLDER_LINES = ("tp2-to-tp1", "pp1-to-pp2", "dp4-to-dp2", "ep2-to-ep1")
 
 
 def _on_this_line(change) -> bool:

@@ -25,7 +25,13 @@ from mcore_ckpt_fixes.testing.job_config import Config
 MIMO = by_name("mimo-noncolocated")
 # The layouts of Megatron's pipeline schedule and expert TP (docs/resume.md): every one on the
 # newest line, these on the older lines (CI's time: each costs a world of up to 8 ranks five times).
-LAYOUTS_ON_OLDER_LINES = ("gpt-pp2", "gpt-pp2-vpp2", "moe-pp2-ep2", "gpt-pp2-dp2-tied-padding")
+LAYOUTS_ON_OLDER_LINES = (
+    "gpt-pp2",
+    "gpt-pp2-vpp2",
+    "moe-pp2-ep2",
+    "gpt-pp2-dp2-tied-padding",
+    "gpt-pp2-strict-validate-results",
+)
 
 
 def _on_this_line(cfg) -> bool:
