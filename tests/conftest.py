@@ -109,6 +109,18 @@ def mcore_version():
     return v
 
 
+def needs_megatron_training():
+    """Skip where this release cannot run the resume check: only a wheel without megatron.training
+    (before 0.17) may lack it; anywhere else its absence is a failure."""
+    from mcore_ckpt_fixes.resume.check import not_applicable
+
+    why = not_applicable()
+    if why:
+        version = megatron_version()
+        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
+        pytest.skip(f"not applicable on {version}: {why}")
+
+
 def resume_fail_text(mode_out):
     """What a resume check's mode (``on``, ``off``, ``only``) got wrong, for an assertion message:
     the error, or per inexact rank where the losses and which values differ; per way of resuming

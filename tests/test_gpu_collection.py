@@ -53,7 +53,8 @@ def test_gpu_tests_collect_as_on_cuda():
     collected = [ln for ln in _pytest_gpu("--collect-only", "-q").splitlines() if "::" in ln]
     from mcore_ckpt_fixes.resume.configs import CONFIGS
 
-    resume = [f"{GPU_RESUME}[{c.name}]" for c in CONFIGS]  # every configuration the CPU check runs
+    # Every configuration the CPU check runs, but the pipeline layouts (not yet tried on a GPU).
+    resume = [f"{GPU_RESUME}[{c.name}]" for c in CONFIGS if c.pp == 1]
     round_trips = [f"{GPU_ROUND_TRIPS}[{s.id}]" for s in scenarios]
     assert collected == GPU_KNOWN_BUGS + resume + round_trips + [SELFTEST_CUDA], collected
 

@@ -18,9 +18,13 @@ from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import CONFIGS
 
 pytestmark = pytest.mark.gpu
+# Pipeline layouts are left to the CPU run until they have been tried on a GPU: their p2p sends run
+# on gloo, which has never been tried on CUDA tensors here, and a rank stuck in one holds the GPU
+# check's budget for the world's whole timeout (docs/validation.md, GPU runs).
+ON_GPU = [c for c in CONFIGS if c.pp == 1]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+@pytest.mark.parametrize("cfg", ON_GPU, ids=[c.name for c in ON_GPU])
 def test_cuda_resume_exact_with_the_fixes(cfg, capsys, mcore_version):
     import torch
 

@@ -10,9 +10,8 @@ own uninterrupted run to say whether the checkpoint lost state.
 
 from __future__ import annotations
 
-import pytest
 
-from conftest import megatron_version
+from conftest import needs_megatron_training
 
 from mcore_ckpt_fixes.cli import resume_across as across
 from mcore_ckpt_fixes.resume import check
@@ -22,11 +21,7 @@ OLD_LAYOUT = "rng-under-ep: {} stores the RNG state in the old 2-D (pp, tp) layo
 
 
 def test_unfixed_checkpoint_resumed_with_the_fixes_warns_and_says_where_state_was_lost(tmp_path):
-    why = check.not_applicable()
-    if why:
-        version = megatron_version()
-        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
-        pytest.skip(f"not applicable on {version}: {why}")
+    needs_megatron_training()
     cfg = by_name("moe-ep2")
     check.prepare()
     saved = across.save(cfg, str(tmp_path), "off")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import megatron_version, resume_fail_text
+from conftest import needs_megatron_training, resume_fail_text
 
 from mcore_ckpt_fixes.doctor import inspect
 from mcore_ckpt_fixes.resume import check
@@ -25,11 +25,7 @@ FINISHED_LAST = "no .metadata, no metadata.json (the save stopped before its coo
 
 @pytest.mark.parametrize("name", ["gpt-pp2", "moe-ep2"])
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint_to_resume_from_exactly(name, tmp_path):
-    why = check.not_applicable()
-    if why:
-        version = megatron_version()
-        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
-        pytest.skip(f"not applicable on {version}: {why}")
+    needs_megatron_training()
     cfg = by_name(name)
     check.prepare()
     uninterrupted, error, detail = check._world(

@@ -15,7 +15,7 @@ import os
 import shutil
 
 import pytest
-from conftest import megatron_version
+from conftest import megatron_version, needs_megatron_training
 
 from mcore_ckpt_fixes.resume import check, layouts
 
@@ -45,17 +45,9 @@ def _on_this_line(change) -> bool:
 CHANGES = [c for c in layouts.CHANGES if _on_this_line(c)]
 
 
-def _needs_training():
-    why = check.not_applicable()
-    if why:
-        version = megatron_version()
-        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
-        pytest.skip(f"not applicable on {version}: {why}")
-
-
 @pytest.mark.parametrize("change", CHANGES, ids=[c.name for c in CHANGES])
 def test_resume_on_another_layout_loads_what_was_saved_or_is_refused_as_the_release_refuses(change):
-    _needs_training()
+    needs_megatron_training()
     layouts.prepare()
     out = layouts.run_change(change)
     expected = RELEASE.get(change.name, "exact")
@@ -75,7 +67,7 @@ def test_resume_on_another_layout_loads_what_was_saved_or_is_refused_as_the_rele
 def test_the_comparison_sees_one_changed_byte(tmp_path):
     """The full-tensor comparison is not vacuous: a copy of a model-space save compares exact, and the
     same copy with one byte of one tensor's stored data changed differs in that tensor alone."""
-    _needs_training()
+    needs_megatron_training()
     import io
 
     import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import resume_expect as expect
-from conftest import megatron_version, resume_fail_text
+from conftest import megatron_version, needs_megatron_training, resume_fail_text
 
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING, by_name
@@ -45,14 +45,6 @@ LINE = [c for c in CONFIGS if _on_this_line(c)]
 # Held to the uninterrupted run (exact), or to the release's own resume (as-release).
 EXACT = [c for c in LINE if c.expect == "exact"]
 AS_RELEASE = [c for c in LINE if c.expect == resume.AS_RELEASE]
-
-
-def _needs_training():
-    why = resume.not_applicable()
-    if why:
-        version = megatron_version()
-        assert version is not None and version.release < (0, 17), f"megatron.training missing on {version}: {why}"
-        pytest.skip(f"not applicable on {version}: {why}")
 
 
 # Attribution, on one configuration and one line (one more save and resume: the same code runs
@@ -85,14 +77,14 @@ def _checked(cfg, modes=None):
 
 @pytest.mark.parametrize("cfg", EXACT, ids=[c.name for c in EXACT])
 def test_exact_with_the_fixes(cfg):
-    _needs_training()
+    needs_megatron_training()
     expect.assert_exact_with_the_fixes(cfg, _checked(cfg))
 
 
 @pytest.mark.parametrize("cfg", LINE, ids=[c.name for c in LINE])
 def test_a_run_that_never_resumes_is_unchanged_by_the_fixes(cfg):
     """B with every fix at its default against the release's own run A: the same bits (resume_expect)."""
-    _needs_training()
+    needs_megatron_training()
     expect.assert_unchanged_by_the_fixes(cfg, _checked(cfg))
     if cfg.job in (Config.job, "mcore_ckpt_fixes.resume.mimo:run"):  # they record which Adam ran (no Apex or TE here)
         assert _checked(cfg)["optimizer"] == ("FusedAdam stand-in" if cfg.fused_adam else "torch AdamW"), cfg
@@ -100,7 +92,7 @@ def test_a_run_that_never_resumes_is_unchanged_by_the_fixes(cfg):
 
 @pytest.mark.parametrize("cfg", EXACT, ids=[c.name for c in EXACT])
 def test_without_the_fixes_diverges_exactly_where_a_needed_fix_is(cfg):
-    _needs_training()
+    needs_megatron_training()
     expect.assert_without_the_fixes(cfg, _checked(cfg))
 
 
@@ -111,7 +103,7 @@ PIPELINED = [c for c in EXACT if c.pp > 1]
 def test_a_pipeline_configuration_trains_on_every_stage_and_chunk(cfg):
     """The resumed run really is a pipeline: its ranks sit on every stage, and under interleaving
     every rank holds and compares each of its model chunks."""
-    _needs_training()
+    needs_megatron_training()
     ranks = _checked(cfg)["on"]["ranks"]
     assert sorted({r["pp"] for r in ranks}) == list(range(cfg.pp)), ranks
     for r in ranks:
@@ -124,13 +116,13 @@ def test_a_pipeline_configuration_trains_on_every_stage_and_chunk(cfg):
 
 @pytest.mark.parametrize("cfg", AS_RELEASE, ids=[c.name for c in AS_RELEASE])
 def test_resumes_as_the_release_with_the_fixes(cfg):
-    _needs_training()
+    needs_megatron_training()
     expect.assert_as_release_with_the_fixes(cfg, _checked(cfg))
 
 
 @pytest.mark.parametrize("cfg", AS_RELEASE, ids=[c.name for c in AS_RELEASE])
 def test_the_release_resumes_as_each_option_says(cfg):
-    _needs_training()
+    needs_megatron_training()
     expect.assert_release_resumes_as_each_option_says(cfg, _checked(cfg))
 
 
@@ -205,7 +197,7 @@ def test_resuming_several_ways_in_one_world_does_not_depend_on_the_order():
     import shutil
     import tempfile
 
-    _needs_training()
+    needs_megatron_training()
     resume.prepare()
     cfg = AS_RELEASE[0]
     backwards = dataclasses.replace(cfg, resume_args=tuple(reversed(cfg.resume_args)))
@@ -228,7 +220,7 @@ def test_resuming_several_ways_in_one_world_does_not_depend_on_the_order():
 
 def test_only_the_needed_fixes_resume_exactly():
     """The fixes a configuration declares are all it needs: with only those on, exact on every rank."""
-    _needs_training()
+    needs_megatron_training()
     if not _attributed_here(MIMO):
         pytest.skip(f"attribution runs for {ATTRIBUTED[0]} on {'.'.join(map(str, ATTRIBUTED[1]))} only (test time)")
     out = _checked(MIMO)
@@ -243,7 +235,7 @@ def test_only_the_needed_fixes_resume_exactly():
 def test_mimo_ranks_train_their_own_module():
     """The MIMO configuration's ranks: language model on 0, vision encoder on 1, each compared on its
     parameters, its distributed optimizer's fp32 shards and moments, the scheduler and every stream."""
-    _needs_training()
+    needs_megatron_training()
     out = _checked(MIMO)["on"]
     assert [r["module"] for r in out["ranks"]] == ["language", "vision"], out["ranks"]
     for r in out["ranks"]:
@@ -262,7 +254,7 @@ def test_mimo_not_applicable_without_mimo_optimizer():
     place (on 0.16, which has neither, the whole check is not applicable: test below)."""
     import dataclasses
 
-    _needs_training()
+    needs_megatron_training()
     assert not resume.missing_requirement(MIMO)  # megatron.core.models.mimo ships with megatron.training
     cfg = dataclasses.replace(MIMO, requires="megatron.core.models.mimo.no_such_optimizer")
     out = resume.check(cfg)
@@ -281,7 +273,7 @@ FRAMEWORK_CONFIGS = {
 def test_framework_configuration_not_applicable_without_the_framework(name):
     """Where the framework is not installed (every release line), its configuration says so with the
     reason instead of running; tests/frameworks runs it in the framework's own line."""
-    _needs_training()
+    needs_megatron_training()
     cfg = by_name(name)
     if not resume.missing_requirement(cfg):
         pytest.skip(f"{cfg.requires} imports here: tests/frameworks/{FRAMEWORK_CONFIGS[name]} runs {name}")
@@ -300,7 +292,7 @@ def test_the_rng_stand_in_really_swaps_what_dropout_draws():
     """Inside ``tracker.fork(name)`` CPU ops must draw from that stream, after it from where they
     were, and the CPU generator must not move: a bookkeeping-only fork (draws always from one
     generator) would make every stream look restored while nothing is drawn from it."""
-    _needs_training()
+    needs_megatron_training()
     import torch
 
     from mcore_ckpt_fixes.testing.launcher import run_world, values
@@ -341,7 +333,7 @@ def test_not_applicable_without_megatron_training():
 def test_selftest_resume_bad_choice_is_one_line_exit_2(argv, line):
     """No configuration for that world size, an unknown name, or a named one that needs more ranks
     than --nproc gives: one clear line, exit 2, nothing run (where the check runs)."""
-    _needs_training()
+    needs_megatron_training()
     from conftest import run_cli
 
     proc = run_cli(["selftest", "--resume", *argv])
