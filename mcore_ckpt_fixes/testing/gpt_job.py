@@ -1,11 +1,12 @@
 """One rank of a resume-check run: a small GPT trained with Megatron's own parts.
 
 Megatron's arguments (``parse_args`` / ``validate_args`` / ``set_global_variables``, no
-tokenizer), ``GPTModel`` (local layers; MoE where the configuration has experts: one expert per
-EP rank, two under EP=1, sequence parallel under TP > 1), ``Float16Module`` (bf16), Megatron's ``DistributedDataParallel``,
+tokenizer), ``GPTModel`` (local layers, tied embeddings as ``pretrain_gpt`` ties them; MoE where the
+configuration has experts: one expert per EP rank, two under EP=1, sequence parallel under TP > 1), ``Float16Module`` (bf16), Megatron's ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (the distributed optimizer where the configuration says so),
 ``get_optimizer_param_scheduler``, and ``megatron.training.checkpointing``'s ``save_checkpoint`` /
-``load_checkpoint``: the same calls a training run makes between steps.
+``load_checkpoint``: the same calls a training run makes between steps. A configuration with pipeline
+stages is built and stepped by :mod:`.pipeline_job` (Megatron's ``get_model`` and schedule).
 
 Every RNG stream Megatron checkpoints is consumed every step, each into the loss:
 

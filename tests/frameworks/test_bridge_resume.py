@@ -51,7 +51,8 @@ def _assert_exact_everywhere(out):
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
         names = set(r["compared_all"])
-        assert r["n_compared"] > 150, r["n_compared"]  # parameters, optimizer state, scheduler, streams
+        # parameters, optimizer state, scheduler, streams: 150 with the tied embeddings of pretrain_gpt
+        assert r["n_compared"] >= 150, r["n_compared"]
         assert EXPERT_STREAM in names and "rng:tracker:model-parallel-rng" in names, sorted(names)
         assert {"rng:python", "rng:numpy", "rng:torch"} <= names and TRAIN_STATE <= names, sorted(names)
         assert any(n.startswith("param:") and "local_experts" in n for n in names), sorted(names)

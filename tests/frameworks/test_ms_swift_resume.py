@@ -85,7 +85,8 @@ def test_ms_swift_resume_exact_with_the_fixes(checked):
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
         names = set(r["compared_all"])
-        assert r["n_compared"] > 150, r["n_compared"]  # parameters, optimizer state, scheduler, streams
+        # parameters, optimizer state, scheduler, streams: 150 with the tied embeddings of pretrain_gpt
+        assert r["n_compared"] >= 150, r["n_compared"]
         assert EXPERT_STREAM in names and {"rng:python", "rng:numpy", "rng:torch"} <= names, sorted(names)
         assert "scheduler:num_steps" in names and any("local_experts" in n for n in names), sorted(names)
         assert any(":state" in n and n.endswith(":exp_avg_sq") for n in names), sorted(names)

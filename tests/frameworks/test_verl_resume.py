@@ -48,7 +48,8 @@ def test_verl_resume_exact_with_the_fixes(checked):
     for r in out["ranks"]:
         assert r["steps"] == list(range(resume.RESUME_AT + 1, resume.STEPS + 1))  # every resumed step
         names = set(r["compared_all"])
-        assert r["n_compared"] > 150, r["n_compared"]  # parameters, optimizer state, scheduler, streams
+        # parameters, optimizer state, scheduler, streams: 150 with the tied embeddings of pretrain_gpt
+        assert r["n_compared"] >= 150, r["n_compared"]
         assert EXPERT_STREAM in names and {"rng:python", "rng:numpy", "rng:torch"} <= names, sorted(names)
         assert "scheduler:num_steps" in names and any("local_experts" in n for n in names), sorted(names)
         assert not [w for w in r["load_warnings"] if "MegatronPatchWarning" in w], r["load_warnings"]
