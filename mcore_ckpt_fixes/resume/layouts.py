@@ -30,7 +30,7 @@ from ..testing.job_config import Config
 from . import check
 
 # Common-state entries a layout change may legitimately change (module doc).
-PER_LAYOUT = ("args", "rng_state", "rerun_state_machine", "checkpoint_version", "num_floating_point_operations_so_far")
+PER_LAYOUT = ("args", "rng_state", "rerun_state_machine")
 
 
 # Samples per step on every layout: a job resumed elsewhere keeps its global batch (its schedule
