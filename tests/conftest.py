@@ -109,6 +109,13 @@ def mcore_version():
     return v
 
 
+def on_this_line(name, older_lines) -> bool:
+    """Whether a costly resume test named ``name`` runs on this release line: every one on the
+    newest line (0.19), on the older ones only those ``older_lines`` names (CI's time)."""
+    version = megatron_version()
+    return version is None or version.release >= (0, 19) or name in older_lines
+
+
 def needs_megatron_training():
     """Skip where this release cannot run the resume check: only a wheel without megatron.training
     (before 0.17) may lack it; anywhere else its absence is a failure."""

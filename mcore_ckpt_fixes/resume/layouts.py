@@ -24,7 +24,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
 
 from ..testing.job_config import Config
 from . import check
@@ -43,8 +42,6 @@ class Change:
     name: str
     saved: Config
     loaded: Config
-    # What the release does on this change ("exact", or the one line it refuses with), as measured.
-    release: str = "exact"
 
 
 def _dense(name, world, tp=1, pp=1, vpp=0, optim_format="fully_reshardable", layers=0) -> Config:
@@ -148,17 +145,9 @@ def compare(saved_root: str, loaded_root: str) -> dict:
     differ = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
     ca, cb = common_state(saved_dir), common_state(loaded_dir)
     for key in sorted((set(ca) | set(cb)) - set(PER_LAYOUT)):
-        if key not in ca or key not in cb or not _same_common(ca[key], cb[key]):
+        if key not in ca or key not in cb or not same(ca[key], cb[key]):
             differ.append(f"common:{key}")
     return {"n_compared": len(set(a) | set(b)), "differ": differ}
-
-
-def _same_common(x, y) -> bool:
-    from .compare import same
-
-    if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_common(x[k], y[k]) for k in x)
-    return same(x, y)
 
 
 def _world(cfg, phase, ckpt_dir, mode, device, timeout):
@@ -207,8 +196,3 @@ def run_change(change: Change, device: str = "cpu", modes=("on", "off"), timeout
             else (on["verdict"] == "exact" or release_line(on) == release_line(off))
         )
     return out
-
-
-def prepare() -> Optional[str]:
-    check.prepare()
-    return None

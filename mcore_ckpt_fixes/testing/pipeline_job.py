@@ -3,8 +3,7 @@ where the configuration has virtual stages): :func:`.gpt_job.start` builds a pip
 here and :func:`.gpt_job.train_steps` steps its model chunks here; everything else (arguments,
 seeds, checkpoint calls, snapshot, the phases) is :mod:`.gpt_job`'s.
 
-The GPT of :mod:`.gpt_job` (its arguments, seeds, batches, RNG draws, snapshot and checkpoint
-calls), built and trained as ``megatron.training`` builds and trains it:
+Built and trained as ``megatron.training`` builds and trains it:
 ``megatron.training.training.get_model`` (pre/post process and virtual stages as Megatron sets
 them, ``Float16Module``, Megatron's DDP, tied embeddings on the first and last stage),
 ``get_megatron_optimizer`` over every model chunk, and each step ``get_forward_backward_func()``

@@ -15,7 +15,7 @@ import os
 import shutil
 
 import pytest
-from conftest import megatron_version, needs_megatron_training
+from conftest import needs_megatron_training, on_this_line
 
 from mcore_ckpt_fixes.resume import check, layouts
 
@@ -37,18 +37,13 @@ RELEASE = {
 OLDER_LINES = ("tp2-to-tp1", "pp1-to-pp2", "dp4-to-dp2", "ep2-to-ep1")
 
 
-def _on_this_line(change) -> bool:
-    version = megatron_version()
-    return version is None or version.release >= (0, 19) or change.name in OLDER_LINES
-
-
-CHANGES = [c for c in layouts.CHANGES if _on_this_line(c)]
+CHANGES = [c for c in layouts.CHANGES if on_this_line(c.name, OLDER_LINES)]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=[c.name for c in CHANGES])
 def test_resume_on_another_layout_loads_what_was_saved_or_is_refused_as_the_release_refuses(change):
     needs_megatron_training()
-    layouts.prepare()
+    check.prepare()
     out = layouts.run_change(change)
     expected = RELEASE.get(change.name, "exact")
     for mode in ("off", "on"):
@@ -76,7 +71,7 @@ def test_the_comparison_sees_one_changed_byte(tmp_path):
 
     from mcore_ckpt_fixes.testing.gpt_job import reference
 
-    layouts.prepare()
+    check.prepare()
     change = layouts.by_name("tp2-to-tp1")
     saved = str(tmp_path / "saved")
     _, error, detail = check._world(change.saved, "reference", saved, check.MODES["on"], "cpu", 240.0)

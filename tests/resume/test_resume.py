@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import resume_expect as expect
-from conftest import megatron_version, needs_megatron_training, resume_fail_text
+from conftest import megatron_version, needs_megatron_training, on_this_line, resume_fail_text
 
 from mcore_ckpt_fixes.resume import check as resume
 from mcore_ckpt_fixes.resume.configs import CONFIGS, KNOWN_BUG, KNOWN_FAILING, by_name
@@ -37,8 +37,7 @@ LAYOUTS_ON_OLDER_LINES = (
 def _on_this_line(cfg) -> bool:
     if cfg.pp == 1 and cfg.etp <= 1 and cfg.world <= 4:
         return True
-    version = megatron_version()
-    return version is None or version.release >= (0, 19) or cfg.name in LAYOUTS_ON_OLDER_LINES
+    return on_this_line(cfg.name, LAYOUTS_ON_OLDER_LINES)
 
 
 LINE = [c for c in CONFIGS if _on_this_line(c)]
