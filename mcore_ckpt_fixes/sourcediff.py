@@ -1,9 +1,11 @@
 """Source diffs of the fixes: where a fix's upstream-shaped code goes in a release's own file.
 
-Every ``patches/<fix>/<release>.patch`` is written one way: the fix's ``upstream`` module (the code
-the diff carries, written as upstream would) lists :class:`Edit` s for a release with
-``source_edits(release)``, and :func:`render` applies them to the pristine file and prints the
-unified diff (``a/`` and ``b/`` prefixes: ``patch -p1`` in site-packages or a checkout).
+Every ``patches/<fix>/<release>.patch`` is written one way: the fix's ``diff/`` modules hold the
+code the diff carries, written as upstream would, one module per target (``diff/core.py`` for
+Megatron-Core, ``diff/<framework>.py`` for a framework's own copy of the code); that module's
+``source_edits(release)`` lists the :class:`Edit` s for the release (:func:`fix_edits` finds it), and
+:func:`render` applies them to the pristine file and prints the unified diff (``a/`` and ``b/``
+prefixes: ``patch -p1`` in site-packages or a checkout).
 
     python tools/patchgen FIX_ID SRC_ROOT RELEASE > patches/FIX_ID/RELEASE.patch
 
@@ -139,3 +141,23 @@ def refuse_names(code: str, names) -> str:
         if re.search(rf"\b{name}\b", code):
             raise PatchgenError(f"the replacement still refers to the fix's {name!r}")
     return code
+
+
+def fix_edits(fix_id: str, release: str) -> list:
+    """The edits of ``fix_id``'s diff for ``release``, found by the runtime's naming: a Megatron-Core
+    release from the fix's ``diff/core.py``, ``<dist>-<version>`` (a framework's own copy of the
+    code) from ``diff/<short name>.py`` (``megatron-bridge-0.6.2``: ``diff/bridge.py``)."""
+    import importlib.util
+
+    from .engine.fix import runtime_module
+
+    dist, _, version = release.rpartition("-")
+    home = f"mcore_ckpt_fixes.fixes.{fix_id.replace('-', '_')}.diff"
+    name = f"{home}.{runtime_module(dist or 'megatron-core')}"
+    try:
+        found = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # no such fix
+        found = None
+    if found is None:
+        raise PatchgenError(f"{fix_id} has no source diff for {release!r} (no module {name})")
+    return importlib.import_module(name).source_edits(version if dist else release)

@@ -53,6 +53,29 @@ def test_fix_page_carries_its_declaration(docs_tool):
         assert all(ref in page for ref in fix.upstream), fix.id
 
 
+DECLARATION_DOCSTRING_LIMIT = 15  # lines, quotes included: the id, the failure, upstream, range, the page
+
+
+def test_declaration_docstrings_are_short():
+    """A fix's ``__init__.py`` docstring is a summary that points to its doc.md page; the detail
+    lives on the page, where it is rendered and linked, not in two places that drift apart."""
+    import ast
+
+    fixes_dir = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes")
+    packages = sorted(n for n in os.listdir(fixes_dir) if os.path.isfile(os.path.join(fixes_dir, n, "__init__.py")))
+    assert len(packages) == len(ENGINE.discover()), packages
+    too_long = {}
+    for name in packages:
+        module = ast.parse(_read("mcore_ckpt_fixes", "fixes", name, "__init__.py"))
+        first = module.body[0] if module.body else None
+        assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), f"{name}: no docstring"
+        assert "doc.md" in first.value.value, f"{name}: the docstring does not point to doc.md"
+        lines = first.end_lineno - first.lineno + 1
+        if lines > DECLARATION_DOCSTRING_LIMIT:
+            too_long[name] = lines
+    assert too_long == {}, f"declaration docstrings over {DECLARATION_DOCSTRING_LIMIT} lines (move detail to doc.md)"
+
+
 def test_known_bugs_page_carries_every_entry(docs_tool):
     from mcore_ckpt_fixes import known_bugs
 

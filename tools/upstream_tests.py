@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Upstream Megatron-LM's own unit tests of the code the fixes patch, with the fixes off and on.
 
-    python3 tools/upstream_tests.py RELEASE [--only PATTERN] [--json OUT] [--adam torch|fused]
+    python3 tools/upstream_tests.py RELEASE --repo DIR [--only PATTERN] [--json OUT] [--adam torch|fused]
                                     [--nproc N] [--test-timeout S] [--keep]
 
 Takes the tests of the release's tag (``core_v<RELEASE>``, else the highest ``core_v<X.Y>.*`` below
-it: 0.19.2 runs core_v0.19.0's) from a Megatron-LM git repository (``--repo``, ``$MEGATRON_LM_REPO``,
-default /work/.mirror/NVIDIA+Megatron-LM/repo; no network), runs those of SUITE under torchrun with
+it: 0.19.2 runs core_v0.19.0's) from a Megatron-LM git repository, bare or not (``--repo``, else
+``$MEGATRON_LM_REPO``: one of them is required; no network), runs those of SUITE under torchrun with
 N ranks (default 2) on the CPU with gloo in the release's cached environment (tools/envs.sh), once
 with ``MCORE_CKPT_FIXES=off`` and once with the fixes on (tools/upstream_tests/upstream_ranks.py
 imports the package in every rank before the tests), and prints each mode's counts and every test
@@ -15,7 +15,9 @@ whose outcome (per rank: passed, failed, error, skipped, timeout, hang, crashed)
 Every test has a deadline (``--test-timeout``, pytest-timeout; a test stuck in C code past it and the
 collective timeout is a hang: the launch's process group is killed). A launch that ends before its
 last test (a crash, a hang) is started again after the test it stopped in, which counts as its own
-outcome. Exit 0: no outcome differs; 1: some differ; 2: bad usage or nothing could run.
+outcome. Exit 0: no outcome differs; 1: some differ; 2: bad usage (no repository given among them),
+or nothing ran: the tag has no test of SUITE, ``--only`` matches none, or no test has an outcome in
+either mode; a run of nothing proves nothing, so it is never reported as "no outcome differs".
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ PLUGIN_DIR = os.path.join(ROOT, "tools", "upstream_tests")
 ENVS = os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcore-ckpt-fixes", "envs"
 )
-DEFAULT_REPO = os.environ.get("MEGATRON_LM_REPO") or "/work/.mirror/NVIDIA+Megatron-LM/repo"
 
 # Upstream's tests of the modules the fixes patch (dist_checkpointing, the optimizers, the
 # distributed optimizer, the scheduler, megatron.training.checkpointing, MIMO's optimizer, the FSDP
@@ -269,6 +270,16 @@ def kill_group(proc) -> None:
     proc.wait()
 
 
+def nothing_ran(off, on, only) -> str | None:
+    """Why neither mode has a test outcome, or None when one has: equal counts of nothing would
+    read as "no outcome differs" while nothing was compared."""
+    if off.results or on.results:
+        return None
+    if only:
+        return f"no test matches --only {only!r} (0 tests with the fixes off and on)"
+    return "no test was collected (0 tests with the fixes off and on)"
+
+
 def compare(off: Mode, on: Mode) -> tuple:
     """(tests whose outcome differs, tests with the same outcome and another first error line)."""
     a, b = off.outcomes(), on.outcomes()
@@ -325,7 +336,7 @@ def parse_args(argv):
     )
     p.add_argument("--json", metavar="OUT", help="write every test's outcome per rank and mode to OUT")
     p.add_argument(
-        "--repo", default=DEFAULT_REPO, help="a Megatron-LM git repository, bare or not (default %(default)s)"
+        "--repo", help="a Megatron-LM git repository, bare or not (required unless $MEGATRON_LM_REPO names one)"
     )
     p.add_argument(
         "--adam",
@@ -338,6 +349,9 @@ def parse_args(argv):
     p.add_argument("--collective-timeout", type=int, default=60, help="gloo's timeout in seconds (default %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (extracted tests, logs) and say where")
     args = p.parse_args(argv)
+    args.repo = args.repo or os.environ.get("MEGATRON_LM_REPO")
+    if not args.repo:
+        fail("no Megatron-LM repository given: pass --repo DIR or set MEGATRON_LM_REPO (a git clone, bare or not)")
     if not re.fullmatch(r"\d+\.\d+\.\d+", args.release) or args.nproc < 1:
         p.error(f"bad release or --nproc: {args.release}, {args.nproc}")
     return args
@@ -361,12 +375,18 @@ def main(argv=None) -> int:
         training = not os.path.isdir(os.path.join(ENVS, f"mcore-{args.release}", "megatron", "training"))
         extract(args.repo, tag, src, training)
         paths = [p for p in SUITE if os.path.exists(os.path.join(src, p))]
+        if not paths:
+            # pytest given no path would collect the whole extracted tree instead.
+            fail(f"nothing ran: {tag} has none of the suite's tests ({', '.join(SUITE)})")
         print(f"upstream_tests: {args.release} with {tag}'s tests; work folder {work}", flush=True)
         if training:
             print(f"upstream_tests: the {args.release} wheel has no megatron.training: {tag}'s is used", flush=True)
         off, on = (Mode(name, args, python, src, paths, work, training) for name in ("off", "on"))
         for mode in (off, on):
             mode.run()
+        why = nothing_ran(off, on, args.only)
+        if why:
+            fail(f"nothing ran: {why}")
         differ, other_line = compare(off, on)
         report(args, tag, paths, off, on, differ, other_line)
         if args.json:

@@ -4,10 +4,10 @@
     python -m mcore_ckpt_fixes.cli.resume_across resume CONFIG DIR [--fixes on|off] [--out FILE] [--json]
 
 ``save`` runs A (uninterrupted) and B (train, ``save_checkpoint``) of the configuration
-(:mod:`.configs`) with this interpreter's Megatron-Core and writes under DIR: ``uninterrupted.pkl``
+(:mod:`..resume.configs`) with this interpreter's Megatron-Core and writes under DIR: ``uninterrupted.pkl``
 (A's results per rank), ``ckpt/`` (B's checkpoint) and ``saved.json`` (which Megatron-Core wrote it,
 and with which fixes). ``resume``, typically in an environment with another Megatron-Core, runs C
-from ``DIR/ckpt`` and compares it per rank with that A, bit for bit (:func:`.compare.rank_verdict`);
+from ``DIR/ckpt`` and compares it per rank with that A, bit for bit (:func:`..resume.compare.rank_verdict`);
 it also lists every warning ``load_checkpoint`` raised. Where C differs from A, it runs A here too:
 C equal to this release's own A means the checkpoint carried every value and the two releases train
 differently; C different from it means state was lost or changed on the way.

@@ -54,18 +54,13 @@ class _Engine:
 
     # -- discovery -----------------------------------------------------------------------------
     def discover(self):
+        """The shipped fixes, in ``fixes.ORDER`` (the one list of them): each id's package
+        (``-`` as ``_``) declares ``FIX``."""
         if not self.fixes:
-            pkg = importlib.import_module(FIXES_PACKAGE)
-            found = []
-            for name in _fix_module_names(pkg.__path__):
-                mod = importlib.import_module(f"{FIXES_PACKAGE}.{name}")
-                fix = getattr(mod, "FIX", None)
-                if isinstance(fix, Fix):
-                    fix.home = mod.__name__
-                    found.append(fix)
-            order = getattr(pkg, "ORDER", ())
-            found.sort(key=lambda f: (order.index(f.id) if f.id in order else len(order), f.id))
-            self.fixes = {f.id: f for f in found}
+            order = importlib.import_module(FIXES_PACKAGE).ORDER
+            for fix_id in order:
+                home = f"{FIXES_PACKAGE}.{fix_id.replace('-', '_')}"
+                self.fixes[fix_id] = importlib.import_module(home).FIX.settle(home)
         return self.fixes
 
     def register(self, fix: Fix) -> None:
@@ -442,25 +437,9 @@ class _LazyInfo:
         return getattr(info, name)
 
 
-def _fix_module_names(paths):
-    # os.listdir instead of pkgutil (cheaper): one package per fix (a directory with __init__.py),
-    # or a plain module.
-    import os
-
-    names = set()
-    for path in paths:
-        for entry in os.listdir(path):
-            stem, ext = os.path.splitext(entry)
-            if stem.startswith("_") or stem.startswith("."):
-                continue
-            if ext == ".py" or (not ext and os.path.isfile(os.path.join(path, entry, "__init__.py"))):
-                names.add(stem)
-    return sorted(names)
-
-
 ENGINE = _Engine()
 
 
 def _on_import(module) -> None:
-    # Module-level so wrapt holds no closure over engine state; the engine decides what to do.
+    # Module-level, so the hook registry holds no bound method of the engine; the engine decides.
     ENGINE.on_import(module)

@@ -5,7 +5,7 @@ processes, builds the same job, loads and trains the remaining N - K steps. A an
 per rank, bit for bit: the loss of every resumed step, every parameter, every optimizer state
 tensor and scalar, the learning-rate scheduler and every RNG stream (Python, NumPy, torch, each
 named stream of Megatron's RNG tracker). The job trains with Megatron's own parts and checkpoints
-through ``megatron.training.checkpointing`` (:mod:`.job`), through Megatron-Bridge's own
+through ``megatron.training.checkpointing`` (:mod:`..testing.gpt_job`), through Megatron-Bridge's own
 ``save_checkpoint`` / ``load_checkpoint`` (:mod:`.bridge`) or verl's ``MegatronCheckpointManager``
 (:mod:`.verl`), or, for a non-colocated MIMO model,
 through ``MimoOptimizer`` and ``dist_checkpointing`` as a MIMO user does (:mod:`.mimo`); the configurations are in

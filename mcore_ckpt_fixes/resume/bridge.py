@@ -1,6 +1,6 @@
 """One rank of a resume-check run that checkpoints through Megatron-Bridge's own functions.
 
-The job trains as :mod:`.job` does (Megatron's arguments, ``GPTModel`` with local layers and one
+The job trains as :mod:`..testing.gpt_job` does (Megatron's arguments, ``GPTModel`` with local layers and one
 expert per EP rank, ``Float16Module``, Megatron's ``DistributedDataParallel``, the distributed
 optimizer, the scheduler, the same batches, dropout and router noise), seeded as a Bridge run seeds
 (Bridge's ``_set_random_seed``). What differs is the checkpoint: run B saves with
@@ -12,7 +12,7 @@ state, the distributed optimizer's sharding type from its ``CheckpointConfig``) 
 ``TrainState`` included; the job advances ``TrainState`` every step as Bridge's training loop does,
 and its step and consumed samples are compared with the rest.
 
-Stand-ins, besides :mod:`.job`'s (test and selftest workers only): for ``import megatron.bridge`` on
+Stand-ins, besides :mod:`..testing.gpt_job`'s (test and selftest workers only): for ``import megatron.bridge`` on
 a host without Transformer Engine, which cannot be installed without CUDA, the stand-in of
 :func:`mcore_ckpt_fixes.testing._standins.install_transformer_engine_stand_in_for_bridge` (visible to
 ``megatron.bridge.peft.lora_layers``' import only; nothing of Transformer Engine runs here).
@@ -176,7 +176,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run, as :func:`.job.run` (the same phases, the same result), checkpointed
+    """One rank of one run, as :func:`..testing.gpt_job.run` (the same phases, the same result), checkpointed
     through Bridge."""
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     with job.worker(cfg, device) as cpu_gen:

@@ -17,10 +17,10 @@ state; the resumed run loads it with ``dist_checkpointing.load`` (through the ro
 load, which share a rank's failure with the whole world instead of leaving the others waiting).
 
 Randomness consumed every step, each into the loss: NumPy, Python's ``random`` and the CPU
-generator make the sample (:func:`.job.batch`), hidden dropout draws from the (stood-in) CUDA
+generator make the sample (:func:`..testing.gpt_job.batch`), hidden dropout draws from the (stood-in) CUDA
 generator, the dropout after the first linear from the tracker's model-parallel stream, and one draw
-per tracker stream scales the loss (:func:`.job.loss_scale`). The CPU stand-ins are the other
-configurations' (:mod:`.job`).
+per tracker stream scales the loss (:func:`..testing.gpt_job.loss_scale`). The CPU stand-ins are the other
+configurations' (:mod:`..testing.gpt_job`).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _collective(fn, *args):
 
 
 def snapshot(built, scheduler):
-    """:func:`.job.snapshot` of this rank's module, its own optimizer and the scheduler, plus the
+    """:func:`..testing.gpt_job.snapshot` of this rank's module, its own optimizer and the scheduler, plus the
     CUDA generator's stand-in on a CPU host (dropout draws from it)."""
     state = job.snapshot(built.model, built.opt, scheduler)
     state.setdefault("rng:cuda", torch.cuda.get_rng_state().clone())
@@ -226,8 +226,8 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run, as :func:`.job.run` (the same phases, the same result), in the GPT job's
-    surroundings (:func:`.job.worker`), each module on the rank's GPU in a cuda run (placement)."""
+    """One rank of one run, as :func:`..testing.gpt_job.run` (the same phases, the same result), in the GPT job's
+    surroundings (:func:`..testing.gpt_job.worker`), each module on the rank's GPU in a cuda run (placement)."""
     from ..testing import placement
     from ..testing._fused_adam import path_in_use
 

@@ -1,6 +1,6 @@
 """One rank of a resume-check run that checkpoints through ms-swift's own Megatron checkpoint functions.
 
-The job trains as :mod:`.job` does (Megatron's arguments, ``GPTModel`` with local layers and one
+The job trains as :mod:`..testing.gpt_job` does (Megatron's arguments, ``GPTModel`` with local layers and one
 expert per EP rank, ``Float16Module``, Megatron's ``DistributedDataParallel``, the distributed
 optimizer, the scheduler, the same batches, dropout and router noise), set up as ms-swift sets up a
 Megatron run: ``swift.megatron.utils.megatron_lm_utils.initialize_megatron`` builds the parallel
@@ -13,10 +13,10 @@ optimizer, scheduler and the RNG states itself), as ms-swift's trainer calls the
 What is not ms-swift's own here: its arguments are an ``argparse.Namespace`` with the fields these
 functions read (``MegatronArguments`` needs a Hugging Face model directory to build), describing this
 job (its parallel sizes, the distributed optimizer and its checkpoint format, bf16), at ms-swift's
-defaults otherwise; the model is built by :mod:`.job` (ms-swift builds it from a Hugging Face config
+defaults otherwise; the model is built by :mod:`..testing.gpt_job` (ms-swift builds it from a Hugging Face config
 through mcore-bridge).
 
-Stand-ins, besides :mod:`.job`'s (test and selftest processes only, never by ``import mcore_ckpt_fixes``):
+Stand-ins, besides :mod:`..testing.gpt_job`'s (test and selftest processes only, never by ``import mcore_ckpt_fixes``):
 
 * Transformer Engine, for importing ms-swift on a host without it (mcore-bridge imports it at import
   time; it cannot be installed without CUDA): the stand-in around ``mcore_bridge``'s import only, of
@@ -26,7 +26,7 @@ Stand-ins, besides :mod:`.job`'s (test and selftest processes only, never by ``i
   host the job makes the call it makes there (same seed formula).
 
 The CUDA buffers ms-swift's load allocates (the iteration it all-reduces, the fully parallel load's
-shard exchange) are CPU tensors under :mod:`.job`'s ``cuda_to_cpu_mode``.
+shard exchange) are CPU tensors under :mod:`..testing.gpt_job`'s ``cuda_to_cpu_mode``.
 
 ms-swift's import patches torch's DCP reader process-wide: the check imports it in the process that
 forks the ranks (:func:`prepare`), which the tests keep apart from their own process.
@@ -150,7 +150,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run, as :func:`.job.run` (the same phases, the same result), checkpointed
+    """One rank of one run, as :func:`..testing.gpt_job.run` (the same phases, the same result), checkpointed
     through ms-swift's ``save_mcore_checkpoint`` / ``load_mcore_checkpoint``."""
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     with job.worker(cfg, device) as cpu_gen:

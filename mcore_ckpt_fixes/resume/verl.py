@@ -1,6 +1,6 @@
 """One rank of a resume-check run that checkpoints through verl's own ``MegatronCheckpointManager``.
 
-The job trains as :mod:`.job` does (Megatron's arguments, ``GPTModel`` with local layers and one
+The job trains as :mod:`..testing.gpt_job` does (Megatron's arguments, ``GPTModel`` with local layers and one
 expert per EP rank, ``Float16Module``, Megatron's ``DistributedDataParallel``, the distributed
 optimizer, the scheduler, the same batches, dropout and router noise), seeded as verl seeds a
 Megatron worker (``verl.workers.engine.megatron.utils.set_random_seed``). The checkpoint is verl's:
@@ -14,7 +14,7 @@ a real ``MegatronCheckpointManager`` built as verl's Megatron engine builds it (
 the scheduler, so a resumed run starts its learning-rate schedule again (the check then finds the
 scheduler's step count, the parameters and the moments different on every rank).
 
-Stand-ins, besides :mod:`.job`'s (test and selftest workers only):
+Stand-ins, besides :mod:`..testing.gpt_job`'s (test and selftest workers only):
 
 * verl's device probes in the manager's module (``get_device_name``, ``is_device_available``,
   ``get_torch_device``): on a CPU host they answer "no accelerator", so verl would save no CUDA
@@ -156,7 +156,7 @@ def _run_phase(cfg, phase, ckpt_dir, steps, resume_at, cpu_gen):
 
 
 def run(rank, world_size, cfg, phase, ckpt_dir, steps, resume_at, device="cpu"):
-    """One rank of one run, as :func:`.job.run` (the same phases, the same result), checkpointed
+    """One rank of one run, as :func:`..testing.gpt_job.run` (the same phases, the same result), checkpointed
     through verl's ``MegatronCheckpointManager``."""
     assert world_size == cfg.world, f"{cfg.name} runs on {cfg.world} ranks, got {world_size}"
     with job.worker(cfg, device) as cpu_gen, _accelerator_as_on_cuda():

@@ -282,11 +282,11 @@ def test_source_patch(unpatched_fsdp, tmp_path, bridge):
 
 def test_patch_is_current():
     """The committed diff is what bridge_upstream.source_edits renders from the released file."""
-    from mcore_ckpt_fixes.fixes.rng_under_ep.diff.bridge import PATH, source_edits
-    from mcore_ckpt_fixes.sourcediff import render
+    from mcore_ckpt_fixes.fixes.rng_under_ep.diff.bridge import PATH
+    from mcore_ckpt_fixes.sourcediff import fix_edits, render
 
     import megatron.bridge.training.checkpointing as m
 
     src_root = m.__file__[: -len(PATH)]
     with open(os.path.join(ROOT, "patches", FIX.id, "megatron-bridge-0.6.2.patch"), encoding="utf-8") as f:
-        assert render(src_root, source_edits("megatron-bridge-0.6.2")) == f.read()
+        assert render(src_root, fix_edits("rng-under-ep", "megatron-bridge-0.6.2")) == f.read()

@@ -244,12 +244,11 @@ def test_source_patch(tmp_path, bridge):
 
 def test_patch_is_current():
     """The committed diff is what diff/bridge.py renders from the released file."""
-    from mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard.diff import source_edits
     from mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard.diff.bridge import PATH
-    from mcore_ckpt_fixes.sourcediff import render
+    from mcore_ckpt_fixes.sourcediff import fix_edits, render
 
     import megatron.bridge.training.checkpointing as m
 
     src_root = m.__file__[: -len(PATH)]
     with open(PATCH, encoding="utf-8") as f:
-        assert render(src_root, source_edits("megatron-bridge-0.6.2")) == f.read()
+        assert render(src_root, fix_edits("fsdp-dtensor-pp-guard", "megatron-bridge-0.6.2")) == f.read()

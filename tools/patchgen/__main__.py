@@ -2,12 +2,11 @@
 
 SRC_ROOT holds the pristine sources (an unpacked wheel: SRC_ROOT/megatron/core/...). RELEASE is a
 Megatron-Core release, or ``<dist>-<version>`` for a framework's own copy of the code (SRC_ROOT then
-holds that framework's unpacked wheel), as the fix's ``source_edits`` accepts. The edits come
-from the fix's ``diff`` package, ``mcore_ckpt_fixes/fixes/<fix>/diff/`` (``source_edits(release)``,
-which dispatches per target); see :mod:`mcore_ckpt_fixes.sourcediff` and CONTRIBUTING.md.
+holds that framework's unpacked wheel), as the fix's diff modules accept. The edits come
+from ``mcore_ckpt_fixes/fixes/<fix>/diff/<target>.py`` (``core`` for Megatron-Core, the framework's
+short name otherwise: :func:`mcore_ckpt_fixes.sourcediff.fix_edits`); see CONTRIBUTING.md.
 """
 
-import importlib
 import os
 import sys
 
@@ -20,14 +19,9 @@ def main(fix_id: str, src_root: str, release: str) -> None:
 
 
 def render_fix(fix_id: str, src_root: str, release: str) -> str:
-    pkg = fix_id.replace("-", "_")
-    home = os.path.join(ROOT, "mcore_ckpt_fixes", "fixes", pkg)
-    if not os.path.isfile(os.path.join(home, "diff", "__init__.py")):
-        raise SystemExit(f"patchgen: no fix {fix_id!r} with a diff package (mcore_ckpt_fixes/fixes/{pkg}/diff/)")
-    from mcore_ckpt_fixes.sourcediff import render
+    from mcore_ckpt_fixes.sourcediff import fix_edits, render
 
-    diff = importlib.import_module(f"mcore_ckpt_fixes.fixes.{pkg}.diff")
-    return render(src_root, diff.source_edits(release))
+    return render(src_root, fix_edits(fix_id, release))
 
 
 if __name__ == "__main__":

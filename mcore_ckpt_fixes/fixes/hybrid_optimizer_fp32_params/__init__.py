@@ -1,20 +1,14 @@
 """hybrid-optimizer-fp32-params: ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``) loads a
 checkpoint when some of its parameters are already fp32.
 
-Affected: Megatron-Core 0.12.0-0.19.2 (not fixed upstream as of 0.19.2). ``get_megatron_optimizer``
-builds the hybrid optimizer with ``param_update_in_fp32=True`` (the distributed optimizer rebuilds it
-on its shards): every parameter that is not fp32 gets an fp32 copy, mapped in
-``param_to_fp32_param``; an fp32 parameter gets none and is updated itself (or its CPU copy). After a
-load, the ``load_state_dict`` post hook (and the distributed optimizer's parameter-state loads) call
-``_sync_hdo_state_to_sub_optimizers``, whose ``_update_fp32_params_by_new_state`` looks up *every*
-parameter of the state in that map: the first fp32 parameter stops the load with ``KeyError``. An
-fp32 model (Megatron-LM without ``--bf16``/``--fp16``) cannot resume at all with
-``--optimizer-cpu-offload``; a model that keeps some parameters in fp32 beside bf16 ones neither.
+The hybrid optimizer gives every parameter that is not fp32 an fp32 copy (``param_to_fp32_param``);
+an fp32 parameter gets none. After a load, ``_update_fp32_params_by_new_state`` looks up *every*
+parameter in that map: the first fp32 parameter stops the load with ``KeyError``. An fp32 model, or
+one that keeps fp32 parameters beside bf16 ones, cannot resume with ``--optimizer-cpu-offload``.
 
-How (runtime/core.py): the release's ``_update_fp32_params_by_new_state`` runs on the parameters
-that have an fp32 copy (each copy takes the loaded ``master_param``, as before); a parameter without
-one keeps what the load restored, as it is what the optimizer updates. Nothing changes on disk and
-nothing is read that the release does not read.
+Upstream: not fixed as of 0.19.2 (worked around in NovaSky-AI/SkyRL#1403).
+Affected: Megatron-Core 0.12.0-0.19.2.
+The rest (the bug in detail, what the fix does, what was verified) is in doc.md in this folder.
 """
 
 from __future__ import annotations
@@ -35,5 +29,5 @@ FIX = Fix(
         "not fixed upstream as of Megatron-Core 0.19.2 (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py)",
         "NovaSky-AI/SkyRL#1403 (worked around there)",
     ),
-    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
+    targets=(Target(MODULE),),
 )

@@ -1,19 +1,15 @@
 """hybrid-optimizer-fp32-shards: ``--optimizer-cpu-offload`` (``HybridDeviceOptimizer``) with the
 distributed optimizer builds, and trains, when the model has fp32 parameters.
 
-Affected: Megatron-Core 0.12.0-0.19.2 (not in a release as of 0.19.2; NVIDIA/Megatron-LM#6212
-reports it, #7013 proposes the same change). ``DistributedOptimizer._build_model_and_main_param_groups``
-gives the optimizer each fp32 parameter's shard as a view of the parameter
-(``model_param.view(-1)[range]``), which autograd tracks as a non-leaf tensor; with the hybrid
-optimizer, ``DistributedOptimizer.__init__`` then rebuilds it over those shards through torch's
-``Optimizer`` constructor, which refuses them: ``ValueError: can't optimize a non-leaf Tensor``. An
-fp32 model, or fp32 parameters beside bf16 ones, cannot train with ``--optimizer-cpu-offload``.
+The distributed optimizer gives its optimizer each fp32 parameter's shard as a view of the parameter
+(``model_param.view(-1)[range]``), a non-leaf tensor; with the hybrid optimizer,
+``DistributedOptimizer.__init__`` rebuilds it over those shards through torch's ``Optimizer``
+constructor, which refuses them: ``ValueError: can't optimize a non-leaf Tensor``. An fp32 model, or
+fp32 parameters beside bf16 ones, cannot train with ``--optimizer-cpu-offload``.
 
-How (runtime/core.py): with ``optimizer_cpu_offload``, each fp32 shard is the same view taken of the
-detached parameter: it shares the parameter's storage, so what the optimizer writes into it is the
-parameter's value, and it is one object in the distributed optimizer's shard groups and the
-optimizer's parameter groups, so the gradient the distributed optimizer hands it
-(``decoupled_grad``) is the one the optimizer reads. Nothing changes without cpu offload.
+Upstream: NVIDIA/Megatron-LM#6212 (reported), #7013 (the same change proposed); neither in 0.19.2.
+Affected: Megatron-Core 0.12.0-0.19.2.
+The rest (the bug in detail, what the fix does, what was verified) is in doc.md in this folder.
 """
 
 from __future__ import annotations
@@ -34,5 +30,5 @@ FIX = Fix(
         "NVIDIA/Megatron-LM#6212 (fp32 parameters with --optimizer-cpu-offload; closed)",
         "NVIDIA/Megatron-LM#7013 (detach the fp32 shard view; closed, not in a release as of 0.19.2)",
     ),
-    targets=(Target(MODULE, f"{__name__}.runtime.core:probe", f"{__name__}.runtime.core:apply"),),
+    targets=(Target(MODULE),),
 )

@@ -2,7 +2,7 @@
 ``_get_replica_id`` replaced on 0.17/0.18 (save side, defects (a)-(e)), the two methods wrapped on 0.19
 (defect (e) only: each module's common state, :mod:`.common_state`), ``dist_checkpointing.load``
 wrapped on every affected release (load side, which asks :mod:`.old_layouts` what to request), the
-probe and apply. What the fix prevents and how: see the package docstring. Imported only when the
+probe and apply. What the fix prevents: the package docstring; how, in full: its doc.md. Imported only when the
 target module is.
 """
 

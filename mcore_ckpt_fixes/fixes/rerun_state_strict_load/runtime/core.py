@@ -1,26 +1,24 @@
-"""rerun-state-strict-load's monkeypatch on ``megatron.core.dist_checkpointing.validation``:
-``_determine_missing_and_unexpected_keys`` wrapped, the probe and apply. Why: the package's
-docstring. Imported only when the target module is.
+"""rerun-state-strict-load in a job: the layer on dist_checkpointing's mismatch check and the
+probe. Why: the fix's page (doc.md). Imported only when the target module is.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import original
 from .. import FUNCTION, ID, MODULE, RERUN_KEY
 
 logger = logging.getLogger("mcore_ckpt_fixes")
 
 
-@mark(ID)
-def _determine_missing_and_unexpected_keys(ckpt_sharded_metadata, local_metadata, global_metadata=None):
+@layer(ID, MODULE, FUNCTION)
+def _determine_missing_and_unexpected_keys(release, ckpt_sharded_metadata, local_metadata, global_metadata=None):
     """The release's mismatch check, without the rerun state among the missing keys: no rank asks
     for it exactly when ``load_checkpoint`` decided to ignore it (no rerun to restore, another
     topology, ``--finetune``), which is no mismatch the user could mend."""
-    release = below(ID, sys.modules[MODULE], FUNCTION)
     missing_keys, unexpected_keys = release(ckpt_sharded_metadata, local_metadata, global_metadata)
     if RERUN_KEY in missing_keys:
         logger.debug("%s: %s in the checkpoint, not asked for: ignored on purpose by the load", ID, RERUN_KEY)
@@ -62,7 +60,3 @@ def probe(module: types.ModuleType):
             "on purpose: raise_all stops every rank"
         )
     return False, "the strict-load check does not count an ignored rerun state as missing"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace_function(module, FUNCTION, _determine_missing_and_unexpected_keys)

@@ -1,6 +1,6 @@
 """rng-under-ep, the monkeypatch: the wrapped ``get_rng_state`` (save side), the wrapped
 ``_load_global_dist_base_checkpoint`` (load side, which asks :mod:`.old_layouts` what to request),
-the probe and apply. What the fix prevents and how: see the package docstring. Imported only when
+the probe and apply. What the fix prevents: the package docstring; how, in full: its doc.md. Imported only when
 ``megatron.training.checkpointing`` is.
 """
 

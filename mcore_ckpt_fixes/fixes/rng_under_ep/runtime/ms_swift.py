@@ -183,7 +183,7 @@ def _probe_once(module, dp_rank):
     tracker = types.SimpleNamespace(get_states=lambda: {})
     stand_ins = {
         "mpu": _SwiftProbeMpu(dp_rank),
-        # No CUDA generator or global RNG tracker is touched (see patch._probe_once).
+        # No CUDA generator or global RNG tracker is touched (why: :func:`.core._probe_once`).
         "torch": _Delegate(torch, cuda=fake_cuda, distributed=fake_dist),
         "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
     }

@@ -11,7 +11,7 @@ A checkpoint holds the ``torch_dist`` RNG state in one of two layouts:
   on every rank whose restored state is not its own (:func:`restores_own_copy`); on the others the
   same text is logged (INFO on global rank 0, DEBUG elsewhere).
 
-Only the checkpoint's metadata is read here; :func:`.patch.load_global_dist_base_checkpoint` emits
+Only the checkpoint's metadata is read here; :func:`.core.load_global_dist_base_checkpoint` emits
 the warning and loads what :func:`align_rng_request` asks for.
 """
 

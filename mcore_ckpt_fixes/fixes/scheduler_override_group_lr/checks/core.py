@@ -1,6 +1,6 @@
 """scheduler-override-group-lr's round trip, on 2 gloo ranks.
 
-Saved: Megatron's DDP and distributed optimizer (on the FusedAdam path) on a one-layer GPT (:mod:`...testing.dist_optimizer`)
+Saved: Megatron's DDP and distributed optimizer (on the FusedAdam path) on a one-layer GPT (:mod:`....testing.dist_optimizer`)
 with ``--lr 0.01 --min-lr 0.001 --decoupled-lr 0.03`` (the embedding and output layer's own group)
 and Megatron's ``OptimizerParamScheduler`` (cosine, warm-up 1 of 10 steps), two real optimizer
 steps, then ``dist_checkpointing.save`` of the model, the optimizer (``dp_reshardable``) and the

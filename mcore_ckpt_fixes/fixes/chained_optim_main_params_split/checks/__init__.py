@@ -1,1 +1,0 @@
-"""chained-optim-main-params-split, the round trips run by the tests and selftest (never by a job)."""

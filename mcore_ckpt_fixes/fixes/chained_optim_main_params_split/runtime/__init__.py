@@ -1,1 +1,0 @@
-"""chained-optim-main-params-split, what runs in a job once the probe finds the bug (runtime/core.py)."""

@@ -1,1 +1,0 @@
-"""dist-optim-mixed-dtype-order's round trips (test and selftest processes only)."""

@@ -1,1 +1,0 @@
-"""dist-optim-state, what runs in a job once the probe finds the bug (runtime/core.py)."""

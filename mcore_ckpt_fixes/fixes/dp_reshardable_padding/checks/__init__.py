@@ -1,1 +1,0 @@
-"""dp-reshardable-padding, the round trips run by the tests and selftest (never by a job)."""

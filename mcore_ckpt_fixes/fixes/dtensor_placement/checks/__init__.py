@@ -1,1 +1,0 @@
-"""dtensor-placement's round trips, for the tests and ``selftest`` only (:mod:`.scenarios` registers them)."""

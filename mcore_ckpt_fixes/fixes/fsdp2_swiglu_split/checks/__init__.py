@@ -1,1 +1,0 @@
-"""fsdp2-swiglu-split, the round trips run by the tests and selftest (never by a job)."""

@@ -1,1 +1,0 @@
-"""fsdp-dtensor-pp-guard's round trip (scenarios.py light; core.py runs in the worlds)."""

@@ -1,1 +1,0 @@
-"""fully-reshardable-buckets, the round trips run by the tests and selftest (never by a job)."""

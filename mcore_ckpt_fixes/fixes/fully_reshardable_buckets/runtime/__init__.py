@@ -1,1 +1,0 @@
-"""fully-reshardable-buckets, what runs in a job once the probe finds the bug (runtime/core.py)."""

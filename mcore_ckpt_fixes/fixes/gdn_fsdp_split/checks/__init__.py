@@ -1,1 +1,0 @@
-"""gdn-fsdp-split's round trips, for the tests and ``selftest`` only (:mod:`.scenarios` registers them)."""

@@ -1,1 +1,0 @@
-"""legacy-save-writers, the round trips run by the tests and selftest (never by a job)."""

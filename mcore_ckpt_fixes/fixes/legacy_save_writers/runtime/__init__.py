@@ -1,1 +1,0 @@
-"""legacy-save-writers, what runs in a job once the probe finds the bug (runtime/core.py)."""

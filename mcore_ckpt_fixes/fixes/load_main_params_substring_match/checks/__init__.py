@@ -1,1 +1,0 @@
-"""load-main-params-substring-match, the round trips run by the tests and selftest (never by a job)."""

@@ -1,1 +1,0 @@
-"""load-main-params-substring-match, what runs in a job once the probe finds the bug (runtime/core.py)."""

@@ -1,1 +1,0 @@
-"""numpy2-product's round trips (test and selftest processes only)."""

@@ -1,1 +1,0 @@
-"""param-group-identity, what runs in a job once the probe finds the bug (runtime/core.py)."""

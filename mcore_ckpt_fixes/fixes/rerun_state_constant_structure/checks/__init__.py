@@ -1,1 +1,0 @@
-"""rerun-state-constant-structure's round trips (test and selftest processes only)."""

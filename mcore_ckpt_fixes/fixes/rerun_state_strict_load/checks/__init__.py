@@ -1,1 +1,0 @@
-"""rerun-state-strict-load's round trips (test and selftest processes only)."""

@@ -1,1 +1,0 @@
-"""rerun-state-strict-load in a job: the probe and the wrapper of dist_checkpointing's mismatch check (core.py)."""

@@ -1,1 +1,0 @@
-"""rerun-transient-checkpoint's round trips (test and selftest processes only)."""

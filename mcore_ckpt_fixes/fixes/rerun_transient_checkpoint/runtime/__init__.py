@@ -1,1 +1,0 @@
-"""rerun-transient-checkpoint's monkeypatch (runs in a job once the probe finds the bug)."""

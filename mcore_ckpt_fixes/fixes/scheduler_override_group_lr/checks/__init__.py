@@ -1,1 +1,0 @@
-"""scheduler-override-group-lr's round trips (test and selftest processes only)."""

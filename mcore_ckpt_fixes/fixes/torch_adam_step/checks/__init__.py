@@ -1,1 +1,0 @@
-"""torch-adam-step, the round trips run by the tests and selftest (never by a job)."""

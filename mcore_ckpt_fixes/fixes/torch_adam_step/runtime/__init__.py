@@ -1,1 +1,0 @@
-"""torch-adam-step, what runs in a job once the probe finds the bug (runtime/core.py)."""

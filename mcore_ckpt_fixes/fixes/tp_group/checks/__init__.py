@@ -1,1 +1,0 @@
-"""tp-group's round trips, for the tests and ``selftest`` only (:mod:`.scenarios` registers them)."""
