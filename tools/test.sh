@@ -63,7 +63,7 @@ for rel in "${releases[@]}"; do
   only=$(awk -v r="$rel" '$1==r && $3 ~ /^fixes=/ {sub(/^fixes=/, "", $3); print $3; exit}' tools/releases.txt)
   if [ -n "$only" ] && [ ${#pytest_args[@]} -eq 0 ]; then
     # Only these fixes' tests: each fix's own file, its source diffs and its lifecycle.
-    paths=(tests/patches tests/engine/test_lifecycle.py); expr=""
+    paths=(tests/patches tests/engine/test_lifecycle.py tests/fixes/test_every_fix.py); expr=""
     for id in ${only//,/ }; do
       paths+=("tests/fixes/test_${id//-/_}.py"); expr+="${expr:+ or }${id//-/_} or $id"
     done

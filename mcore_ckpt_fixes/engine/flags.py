@@ -28,34 +28,45 @@ class Flags:
 
 def parse(fix_ids, environ=None) -> Flags:
     """Return the effective mode of every fix, or raise :class:`FlagError`."""
-    from .errors import FlagError
-
     environ = os.environ if environ is None else environ
     ids = list(fix_ids)
-    by_var = {env_var_for(i): i for i in ids}
-
-    raw_global = environ.get(GLOBAL_VAR, "auto").strip()
-    selected: set[str] | None = None  # None: every fix
-    default_mode = "auto"
-    if raw_global.lower() in GLOBAL_VALUES:
-        default_mode = raw_global.lower()
-    else:
-        names = [n.strip() for n in raw_global.split(",") if n.strip()]
-        unknown = [n for n in names if n not in ids]
-        if not names or unknown:
-            raise FlagError(
-                f"{GLOBAL_VAR}={raw_global!r}: unknown fix id {', '.join(unknown) or '(empty list)'}; "
-                f"accepted: auto, off, or a comma list of {', '.join(ids)}"
-            )
-        selected = set(names)
-
-    modes: dict[str, str] = {}
+    default_mode, selected = _global(environ, ids)
+    modes = {}
     for fix_id in ids:
-        if default_mode == "off" or (selected is not None and fix_id not in selected):
-            modes[fix_id] = "off"
-        else:
-            modes[fix_id] = "auto"
+        left_out = default_mode == "off" or (selected is not None and fix_id not in selected)
+        modes[fix_id] = "off" if left_out else "auto"
+    for fix_id, value in _per_fix(environ, ids):
+        # A per-fix flag refines the global one; it can switch a fix on even when the global list
+        # leaves it out, but never on when the global switch says everything is off.
+        if default_mode == "off" and value != "off":
+            continue
+        if value != "auto" or modes[fix_id] != "off":
+            modes[fix_id] = value
+    return Flags(modes)
 
+
+def _global(environ, ids):
+    """``MCORE_CKPT_FIXES``: (the default mode, the set of fix ids it selects or None for all)."""
+    from .errors import FlagError
+
+    raw = environ.get(GLOBAL_VAR, "auto").strip()
+    if raw.lower() in GLOBAL_VALUES:
+        return raw.lower(), None
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ids]
+    if not names or unknown:
+        raise FlagError(
+            f"{GLOBAL_VAR}={raw!r}: unknown fix id {', '.join(unknown) or '(empty list)'}; "
+            f"accepted: auto, off, or a comma list of {', '.join(ids)}"
+        )
+    return "auto", set(names)
+
+
+def _per_fix(environ, ids):
+    """Every ``MCORE_CKPT_FIX_<ID>`` set: (fix id, mode), in the variables' order."""
+    from .errors import FlagError
+
+    by_var = {env_var_for(i): i for i in ids}
     for var in sorted(environ):
         if not var.startswith(PER_FIX_PREFIX):
             continue
@@ -64,11 +75,4 @@ def parse(fix_ids, environ=None) -> Flags:
         value = environ[var].strip().lower()
         if value not in MODES:
             raise FlagError(f"{var}={environ[var]!r}: accepted values: {', '.join(MODES)}")
-        fix_id = by_var[var]
-        # A per-fix flag refines the global one; it can switch a fix on even when the global list
-        # leaves it out, but never on when the global switch says everything is off.
-        if default_mode == "off" and value != "off":
-            continue
-        if value != "auto" or modes[fix_id] != "off":
-            modes[fix_id] = value
-    return Flags(modes)
+        yield by_var[var], value

@@ -1,14 +1,6 @@
-"""Discover fixes, decide per target whether to patch, and keep the state ``status`` reports.
-
-States, per fix (aggregated over its targets):
-  applied         the bug was found and the patch is in place
-  pending         enabled, but a target module has not been imported yet (a post-import hook waits)
-  not-needed      this release does not have the bug (outside the affected range, or the probe says fixed)
-  not-applicable  the feature the fix patches is absent from this release (or Megatron-Core is absent),
-                  or its probe could not judge the code it found (left alone, with the reason)
-  disabled        switched off by a flag
-  failed          the patch raised; training goes on unpatched (MegatronPatchWarning)
-  unimplemented   registered, not written yet: nothing is patched
+"""The fixes, their flags and each target's state: the engine behind ``apply()``, ``revert()`` and
+``status``. Deciding a target is :mod:`.deciding`'s (a verdict with its reason), applying and
+rolling back :mod:`.applying`'s, what is reported :mod:`.reporting`'s (the states are listed there).
 """
 
 from __future__ import annotations
@@ -17,24 +9,18 @@ import importlib
 import sys
 import threading
 
+from . import deciding, logs, reporting
 from . import flags as _flags
-from . import logs
 from . import version as _version
-from .errors import FixRequiredError, MegatronPatchWarning
+from .applying import apply_target, revert_all
+from .errors import FixRequiredError
 from .fix import Fix, Target
 from .patching import Patcher, unbind_late_imports
+from .reporting import TargetState
 
 FIXES_PACKAGE = "mcore_ckpt_fixes.fixes"
-# Which target state wins when a fix's targets disagree (most important first).
-_PRECEDENCE = ("failed", "applied", "pending", "not-needed", "not-applicable")
-
-
-class TargetState:
-    __slots__ = ("state", "reason")
-
-    def __init__(self, state: str, reason: str):
-        self.state = state
-        self.reason = reason
+# A decided target is not decided again (apply twice leaves one layer).
+_SETTLED = ("applied", "not-needed", "not-applicable", "failed")
 
 
 class _Engine:
@@ -73,39 +59,20 @@ class _Engine:
     def apply(self, environ=None) -> None:
         with self.lock:
             fixes = self.discover()
-            modes = _flags.parse(fixes, environ).modes
-            self.modes = dict(modes)
+            self.modes = dict(_flags.parse(fixes, environ).modes)
             self.active = True
             info = _LazyInfo()
             required_failures = []
             for fix in fixes.values():
-                mode = modes[fix.id]
-                states = self.targets.setdefault(fix.id, {})
+                mode = self.modes[fix.id]
                 if mode == "off":
-                    self._revert_fix(fix.id)
+                    revert_all(self.patchers, [fix.id])  # as at start: no module bound its layers yet
                     self.targets[fix.id] = {}
                     continue
                 if not fix.implemented:
                     continue
                 for target in fix.targets:
-                    if target.module in sys.modules and sys.modules[target.module] is not None:
-                        self._apply_target(fix, target, sys.modules[target.module], info)
-                    elif mode == "require":
-                        try:
-                            importlib.import_module(target.module)  # runs the hook below
-                        except Exception as exc:
-                            states[target.module] = TargetState(
-                                "not-applicable", f"cannot import {target.module}: {exc}"
-                            )
-                        self._ensure_hook(target.module)
-                        if target.module in sys.modules:
-                            self._apply_target(fix, target, sys.modules[target.module], info)
-                    else:
-                        states.setdefault(
-                            target.module,
-                            TargetState("pending", f"waiting for `import {target.module}`"),
-                        )
-                        self._ensure_hook(target.module)
+                    self._reach(fix, target, mode, info)
                 if mode == "require":
                     state, reason = self.fix_state(fix.id)
                     if state in ("failed", "not-applicable", "pending"):
@@ -113,6 +80,25 @@ class _Engine:
             self._announce_when_settled()
             if required_failures:
                 raise FixRequiredError("required fix could not be applied: " + "; ".join(required_failures))
+
+    def _reach(self, fix: Fix, target: Target, mode: str, info) -> None:
+        """Decide ``target`` now if its module is imported (or, for a ``require`` d fix, can be);
+        else wait for its import."""
+        states = self.targets.setdefault(fix.id, {})
+        if sys.modules.get(target.module) is not None:
+            self._apply_target(fix, target, sys.modules[target.module], info)
+            return
+        if mode == "require":
+            try:
+                importlib.import_module(target.module)
+            except Exception as exc:
+                states[target.module] = TargetState("not-applicable", f"cannot import {target.module}: {exc}")
+            self._ensure_hook(target.module)
+            if target.module in sys.modules:
+                self._apply_target(fix, target, sys.modules[target.module], info)
+            return
+        states.setdefault(target.module, TargetState("pending", f"waiting for `import {target.module}`"))
+        self._ensure_hook(target.module)
 
     def _ensure_hook(self, module_name: str) -> None:
         if module_name in self.hooked:
@@ -136,73 +122,38 @@ class _Engine:
             self._announce_when_settled()
 
     def _apply_target(self, fix: Fix, target: Target, module, info) -> None:
-        states = self.targets.setdefault(fix.id, {})
-        current = states.get(target.module)
-        if current is not None and current.state in ("applied", "not-needed", "not-applicable", "failed"):
-            return  # decided already: apply twice leaves one layer
-        mode = self.modes[fix.id]
-        gate = _gate(fix, target, info)
-        outside = gate.version is not None and gate.version not in target.specifiers(fix)
-        if outside and mode != "on" and gate.source != "checkout":
-            outside_range = f"{gate.name} {gate.version} is outside the affected range {gate.affected}"
-            self._decide(fix, target, "not-needed", outside_range)
+        current = self.targets.setdefault(fix.id, {}).get(target.module)
+        if current is not None and current.state in _SETTLED:
             return
-        # A Megatron-LM checkout's version string may name a release its code does not match (a dev
-        # tree of the next release, a pinned commit between releases): there the probe decides.
-        checkout_note = (
-            f" (checkout: its version {gate.version} is outside the affected range {gate.affected}; decided by the probe)"
-            if outside and mode != "on"
-            else ""
-        )
-        try:
-            verdict, why = target.probe(module)
-        except Exception as exc:  # a probe must never break the user's import
+        verdict = deciding.decide(fix, target, module, self.modes[fix.id], info, not getattr(info, "retry", False))
+        if verdict.outcome == deciding.DEFER:
             from . import hooks
 
-            if hooks.importing() and not getattr(info, "retry", False):
-                # The target finished importing inside another Megatron module's import (a circular
-                # chain): what the probe builds may need that half-initialised module. Probe again
-                # once the outermost import has finished.
-                states[target.module] = TargetState(
-                    "pending", f"probe deferred until the running Megatron import finishes ({type(exc).__name__})"
-                )
-                hooks.when_settled(lambda: self._retry(fix, target, module))
-                return
-            # Code the probe does not know (upstream reworked it, a checkout between releases): it
-            # cannot tell whether the bug is there, so the code is left alone, never patched blind.
-            self._left_alone(
-                fix, target, f"left alone: the probe could not judge this code ({type(exc).__name__}: {exc})"
-            )
-            return
-        if verdict is None:
-            self._decide(fix, target, "not-applicable", why)
-            return
-        if verdict is False:
-            self._decide(fix, target, "not-needed", f"probe: {why}{checkout_note}")
-            return
+            self.targets[fix.id][target.module] = TargetState("pending", verdict.reason)
+            hooks.when_settled(lambda: self._retry(fix, target, module))
+        elif verdict.outcome == deciding.LEFT_ALONE:
+            self._left_alone(fix, target, verdict.reason)
+        elif verdict.outcome != deciding.PATCH:
+            self._decide(fix, target, verdict.outcome, verdict.reason)
+        else:
+            self._patch(fix, target, module, verdict.reason)
+
+    def _patch(self, fix: Fix, target: Target, module, reason: str) -> None:
         patcher = self.patchers.get(fix.id)
         if patcher is None:
             # The fixes' order (fixes.ORDER, then registration) is their layers' order on a shared attribute.
             patcher = self.patchers[fix.id] = Patcher(fix.id, list(self.fixes).index(fix.id))
-        mark = len(patcher.records)
-        try:
-            target.apply(module, patcher)
-        except Exception as exc:
-            # Undo the half-applied part of this target only.
-            partial = Patcher(fix.id)
-            partial.records = patcher.records[mark:]
-            del patcher.records[mark:]
-            partial.revert(whole=False)
-            self._fail(fix, target, f"patch raised {type(exc).__name__}: {exc}")
+        error = apply_target(patcher, target, module)
+        if error is not None:
+            self._fail(fix, target, error)
             return
-        note = checkout_note or ("" if not outside else " (forced on outside the affected range)")
-        self._decide(fix, target, "applied", f"{why}{note}")
+        self._decide(fix, target, "applied", reason)
         if fix.id not in self.fresh:
             self.fresh.append(fix.id)
 
     def _decide(self, fix: Fix, target: Target, state: str, reason: str) -> None:
         self.targets.setdefault(fix.id, {})[target.module] = TargetState(state, reason)
-        logs.detail("mcore_ckpt_fixes: %s on %s: %s: %s", fix.id, target.module, state, reason)
+        reporting.decided(fix.id, target.module, state, reason)
 
     # -- the summary line ------------------------------------------------------------------------
     def _announce_when_settled(self) -> None:
@@ -221,39 +172,12 @@ class _Engine:
             fresh, self.fresh = self.fresh, []
             if not fresh:
                 return
-            info = _version.detect()
-            text = (
-                f"mcore_ckpt_fixes: applied {', '.join(f for f in self.fixes if f in fresh)} "
-                f"(Megatron-Core {info.version or 'of unknown version'}, {info.source})"
-            )
-            waiting = self._waiting(info)
-            if waiting:
-                text += f"; applied when their modules are imported: {', '.join(waiting)}"
-            text += "; details: DEBUG log, `python -m mcore_ckpt_fixes status`"
+            text = reporting.summary_line(self, fresh)
             if self.announced:  # this process has had its INFO line: the rest is detail
                 logs.detail(text)
                 return
             self.announced = True
             logs.once_per_job(text)
-
-    def _waiting(self, info):
-        """Enabled fixes with nothing applied yet whose Megatron-Core target still waits for its
-        module on a release in its range (or a checkout, where the probe decides)."""
-        waiting = []
-        for fix in self.fixes.values():
-            states = self.targets.get(fix.id, {})
-            if self.modes.get(fix.id, "off") == "off" or any(s.state == "applied" for s in states.values()):
-                continue
-            for target in fix.targets:
-                current = states.get(target.module)
-                if not target.gated_by_megatron or current is None or current.state != "pending":
-                    continue
-                gate = _gate(fix, target, info)
-                forced = self.modes[fix.id] == "on" or gate.source == "checkout"
-                if forced or gate.version is None or gate.version in target.specifiers(fix):
-                    waiting.append(fix.id)
-                    break
-        return waiting
 
     def enabled_target_modules(self, installed_only: bool = False):
         """(fix id, module name) of every target of every enabled, implemented fix, in order.
@@ -303,27 +227,13 @@ class _Engine:
         self._decide(fix, target, "failed", reason)
         if self.modes.get(fix.id) == "require":
             raise FixRequiredError(f"required fix {fix.id} failed on {target.module}: {reason}")
-        import warnings
-
-        warnings.warn(
-            f"mcore_ckpt_fixes: {fix.id} not applied to {target.module}: {reason}",
-            MegatronPatchWarning,
-            stacklevel=3,
-        )
-        # The MegatronPatchWarning above is every rank's; the log line is the job's (rank 0's).
-        if logs.first_rank():
-            logs.logger().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix.id, target.module, reason)
-
-    def _revert_fix(self, fix_id: str) -> dict:
-        patcher = self.patchers.pop(fix_id, None)
-        return patcher.revert(sweep=False) if patcher is not None else {}
+        reporting.failed(fix.id, target.module, reason)
 
     def revert(self, fix_ids=None) -> None:
         with self.lock:
             ids = list(self.discover()) if fix_ids is None else list(fix_ids)
-            restore = {}
+            restore = revert_all(self.patchers, ids)
             for fix_id in ids:
-                restore.update(self._revert_fix(fix_id))
                 self.targets[fix_id] = {}
             # One walk over every module's globals for all the fixes, not one per fix (a forked
             # test or selftest rank reverts at start: this walk was most of its start-up).
@@ -345,87 +255,12 @@ class _Engine:
 
     # -- report --------------------------------------------------------------------------------
     def fix_state(self, fix_id: str):
-        fix = self.fixes[fix_id]
-        mode = self.modes.get(fix_id)
-        if not self.active or mode is None:
-            return "disabled", "mcore_ckpt_fixes.apply() has not run (or revert() was called)"
-        if mode == "off":
-            return "disabled", f"{_flags.env_var_for(fix_id)} / {_flags.GLOBAL_VAR} switch it off"
-        if not fix.implemented:
-            return "unimplemented", f"not implemented yet in this release of mcore-ckpt-fixes ({fix.tracking})"
-        states = self._reported_states(fix)
-        for wanted in _PRECEDENCE:
-            hits = [(m, s) for m, s in states.items() if s.state == wanted]
-            if hits:
-                return wanted, "; ".join(f"{m}: {s.reason}" for m, s in hits)
-        return "not-applicable", "no target module"
-
-    def _reported_states(self, fix: Fix):
-        """The targets' states as reported: a framework target still waiting for its module while
-        the framework is not installed at all is not applicable here (decided only when asked: the
-        lookup costs nothing at ``import mcore_ckpt_fixes``). Its hook stays: a framework imported
-        from a source tree without an installed distribution is still patched when imported."""
-        states = dict(self.targets.get(fix.id, {}))
-        for target in fix.targets:
-            current = states.get(target.module)
-            if current is None or current.state != "pending" or target.gated_by_megatron:
-                continue
-            version = _version.package_version(target.package)
-            if version is None:
-                states[target.module] = TargetState(
-                    "not-applicable",
-                    f"{target.package} is not installed (no {target.package} distribution; patched when "
-                    f"{target.module} is imported all the same)",
-                )
-            elif _version.ships_module(target.package, target.module) is False:
-                states[target.module] = TargetState(
-                    "not-applicable", f"{target.package} {version} does not ship {target.module}"
-                )
-        return states
+        return reporting.fix_state(self, fix_id)
 
     def report(self):
         with self.lock:
-            fixes = self.discover()
-            info = _version.detect()
-            rows = []
-            for fix in fixes.values():
-                state, reason = self.fix_state(fix.id)
-                packages = {t.module: t.package for t in fix.targets}
-                rows.append(
-                    {
-                        "id": fix.id,
-                        "state": state,
-                        "reason": reason,
-                        "mode": self.modes.get(fix.id, "off"),
-                        "summary": fix.summary,
-                        "affected": fix.affected,
-                        "upstream": list(fix.upstream),
-                        "targets": {
-                            m: {"state": s.state, "reason": s.reason, "package": packages.get(m, "megatron-core")}
-                            for m, s in self._reported_states(fix).items()
-                        },
-                        "megatron_core": str(info.version) if info.version else None,
-                        "megatron_source": info.source,
-                        "megatron_path": info.path,
-                    }
-                )
-            return rows
-
-
-class _Gate:
-    __slots__ = ("name", "version", "source", "affected")
-
-    def __init__(self, name, version, source, affected):
-        self.name, self.version, self.source, self.affected = name, version, source, affected
-
-
-def _gate(fix: Fix, target: Target, info) -> _Gate:
-    """The version that gates ``target``: Megatron-Core's (wheel or checkout), or the installed
-    version of the package the target declares (a framework's own copy of the buggy code)."""
-    affected = target.affected if target.affected is not None else fix.affected
-    if target.gated_by_megatron:
-        return _Gate("Megatron-Core", info.version, info.source, affected)
-    return _Gate(target.package, _version.package_version(target.package), "wheel", affected)
+            self.discover()
+            return reporting.rows(self)
 
 
 class _LazyInfo:

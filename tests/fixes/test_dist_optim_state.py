@@ -11,7 +11,6 @@ import pytest
 from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.dist_optim_state import FIX
-from mcore_ckpt_fixes.fixes.dist_optim_state.checks import scenarios as sc
 from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.dist_optim_state.checks.core"
@@ -29,16 +28,6 @@ UNPATCHED = {
         "RuntimeError: a view of a leaf Variable that requires grad is being used in an in-place operation.",
     ),
 }
-
-
-def test_registry():
-    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {
-        n: (f"{CORE}:{n}", 2) for n in ("fresh_request", "no_metadata", "fp32_load")
-    }
-    for name, s in SCENARIOS.items():
-        bug = next(iter(s.bug.values()))
-        assert (bug.kind, bug.phase, bug.error) == ("raises",) + UNPATCHED[name], name
-    assert sc.MOMENTS_LOST_BUG is SCENARIOS["fresh_request"].bug[">=0.12.0,<=0.19.2"]
 
 
 @pytest.fixture(scope="module")

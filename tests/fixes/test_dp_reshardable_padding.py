@@ -25,11 +25,6 @@ BUCKETS = {  # (unpadded, padded) per bucket: the geometry each case is about
 }
 
 
-def test_registry():
-    registered = ("all_padding_shard", "past_unpadded_end")
-    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {n: (f"{CORE}:{n}", 2) for n in registered}
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     return both_halves(

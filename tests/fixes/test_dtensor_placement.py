@@ -29,22 +29,21 @@ HELPER_KEYS = sorted(
 
 
 def test_registry_declares_every_round_trip(mcore_version):
+    """The documented errors on this release, pinned: the unpatched tests compare the worlds with the
+    registry's (the form of every fix's registry: tests/fixes/test_every_fix.py)."""
     bugs = {n: s.bug_for(mcore_version) for n, s in SCENARIOS.items()}
-    assert {n: (s.nproc, bugs[n].kind, bugs[n].phase, bugs[n].error) for n, s in SCENARIOS.items()} == {
+    assert {n: (bugs[n].kind, bugs[n].phase, bugs[n].error) for n in SCENARIOS} == {
         "ep2_helpers": (
-            2,
             "raises",
             "validate",
             "CheckpointingException: Invalid access pattern for " + ", ".join(HELPER_KEYS),
         ),
         "moe_ep": (
-            4,
             "raises",
             "validate",
             "CheckpointingException: Invalid access pattern for " + ", ".join(EXPERT_KEYS),
         ),
         "hsdp": (
-            4,
             "raises",
             "load_unsharded",
             "CheckpointingException: Global shape mismatch for loaded (torch.Size([24, 8])) and expected "

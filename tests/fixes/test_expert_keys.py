@@ -30,16 +30,6 @@ BIAS_KEYS = sorted(
 )
 
 
-def test_registry_declares_every_round_trip():
-    assert {n: (s.nproc, s.bug.kind, s.func) for n, s in SCENARIOS.items()} == {
-        "ep2": (2, "wrong-values", f"{SC}:ep2"),
-        "ep2_dp2": (4, "wrong-values", f"{SC}:ep2_dp2"),
-        "ep2_grouped": (2, "raises", f"{SC}:ep2_grouped"),
-        "ep2_grouped_bias": (2, "wrong-values", f"{SC}:ep2_grouped_bias"),
-        "ep2_dp2_grouped": (4, "raises", f"{SC}:ep2_dp2_grouped"),
-    }
-
-
 @pytest.fixture(scope="module", autouse=True)
 def warm_parent():
     from mcore_ckpt_fixes.fixes.expert_keys.checks.core import prepare

@@ -2,8 +2,8 @@
 world each (2 gloo ranks): a SwiGLU MLP under Megatron's own TorchFullyShardedDataParallel (DP=2)
 saved with dist_checkpointing, loaded in its own layout and unsharded
 (mcore_ckpt_fixes/fixes/fsdp2_swiglu_split/checks/core.py). Plus, without a world, every rank's
-pieces of TP x DP layouts assembled into the global [W; V] (exact, no gap, no overlap), the call
-shapes the fix leaves to the release, and the probe (0.19.2: not needed).
+pieces of TP x DP layouts assembled into the global [W; V] (exact, no gap, no overlap) and the call
+shapes the fix leaves to the release. The probe (0.19.2: not needed): tests/fixes/test_every_fix.py.
 """
 
 import pytest
@@ -23,12 +23,6 @@ def worlds(tmp_path_factory, mcore_version):
     return both_halves(
         FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_FSDP2_SWIGLU_SPLIT": "off"}, tmp_path_factory, mcore_version
     )
-
-
-def test_registry():
-    (scenario,) = for_fix(FIX.id)
-    assert (scenario.name, scenario.func, scenario.nproc) == ("fsdp2_mlp", f"{CORE}:fsdp2_mlp", 2)
-    assert scenario.bug[">=0.12.0,<0.19.0"] is sc.SCRAMBLED
 
 
 def test_unpatched_own_layout_exact_unsharded_w_and_v_rows_swapped(worlds, mcore_version):
@@ -183,12 +177,3 @@ def test_the_release_keeps_what_the_fix_does_not_recognise(mcore_version):
     uneven = _release_factory(mlp, ShardedTensor.from_rank_offsets("fc1", last, (0, 3, 4), replica_id=(0, 0, 0)))
     param = DTensor.from_local(last, _mesh(3, 4), [Shard(0)], run_check=False, shape=(26, 3), stride=(3, 1))
     assert fix(uneven, param) is uneven
-
-
-def test_probe(mcore_version):
-    import megatron.core.transformer.mlp as mlp
-
-    from mcore_ckpt_fixes.fixes.fsdp2_swiglu_split.runtime import core
-
-    verdict, why = core.probe(mlp)  # the release's own method, even after apply
-    assert verdict is (mcore_version in FIX.specifiers), why

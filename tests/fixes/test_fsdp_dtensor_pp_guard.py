@@ -13,7 +13,6 @@ from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard import FIX
 from mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard.checks import scenarios as sc
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard.checks.core"
 MODULE = "megatron.training.checkpointing"
@@ -33,12 +32,6 @@ def worlds(tmp_path_factory, mcore_version):
     return both_halves(
         FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_FSDP_DTENSOR_PP_GUARD": "off"}, tmp_path_factory, mcore_version
     )
-
-
-def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc) == ("pp1_to_pp2", f"{CORE}:round_trip", 2)
-    assert s.bug[">=0.17.0,<=0.19.2"] is sc.OTHER_STAGES_LAYERS
 
 
 def test_unpatched_stage_1_resumes_with_layer_0(worlds, mcore_version):
@@ -73,14 +66,3 @@ def test_the_run_that_takes_the_checkpoint_s_layout_is_not_refused():
     refuse({"args": None}, types.SimpleNamespace(pipeline_model_parallel_size=2), "c")
     with pytest.raises(ValueError, match="^c: this fsdp_dtensor checkpoint"):
         refuse(saved, types.SimpleNamespace(pipeline_model_parallel_size=2, use_checkpoint_args=False), "c")
-
-
-def test_probe(mcore_version):
-    if mcore_version.release[:2] < (0, 17):
-        pytest.skip("megatron.training ships in the wheel from 0.17")
-    import megatron.training.checkpointing as m
-
-    from mcore_ckpt_fixes.fixes.fsdp_dtensor_pp_guard.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is (mcore_version in FIX.specifiers), why

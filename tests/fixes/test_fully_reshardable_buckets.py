@@ -20,13 +20,6 @@ KINDS = ("main", "exp_avg", "exp_avg_sq")
 RESTORED = "the load restored other values than the source saved"
 
 
-def test_registry():
-    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {n: (f"{CORE}:{n}", 2) for n in CASES[:2]}
-    for s in SCENARIOS.values():
-        bug = next(iter(s.bug.values()))
-        assert (bug.phase, bug.error) == ("restored", f"AssertionError: {RESTORED}"), s.name
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     return both_halves(

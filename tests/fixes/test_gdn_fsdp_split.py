@@ -64,12 +64,6 @@ def _tp_ranks_collide(results):
     return foreign
 
 
-def test_registered_scenarios_point_here():
-    assert [s.name for s in for_fix(FIX.id)] == list(TP_LOCAL + PLAIN)
-    for s in for_fix(FIX.id):
-        assert s.func.startswith(f"{SC}:") and s.nproc == 2
-
-
 def test_status(mcore_version):
     import mcore_ckpt_fixes
     import megatron.core.transformer.fsdp_dtensor_checkpoint as m

@@ -15,7 +15,6 @@ from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.legacy_save_writers import FIX
 from mcore_ckpt_fixes.fixes.legacy_save_writers.checks import scenarios as sc
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.legacy_save_writers.checks.core"
 MODULE = "megatron.training.checkpointing"
@@ -27,12 +26,6 @@ def worlds(tmp_path_factory, mcore_version):
     return both_halves(
         FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_LEGACY_SAVE_WRITERS": "off"}, tmp_path_factory, mcore_version
     )
-
-
-def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc) == ("tp2_ep1_etp1", f"{CORE}:round_trip", 2)
-    assert s.bug[">=0.17.0,<0.18.0"] is sc.UNWRITTEN
 
 
 def test_unpatched_never_writes_tp_rank_1s_file(worlds, mcore_version):
@@ -53,17 +46,6 @@ def test_patched_every_file_written_and_loaded_exactly(worlds):
         assert r["writers"] == {"tp2": {FILE.format(0): [0], FILE.format(1): [1]}, "dp2": {FILE.format(0): [0]}}, r[
             "writers"
         ]
-
-
-def test_probe(mcore_version):
-    if mcore_version.release[:2] < (0, 17):
-        pytest.skip("megatron.training ships in the wheel from 0.17")
-    import megatron.training.checkpointing as m
-
-    from mcore_ckpt_fixes.fixes.legacy_save_writers.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is (mcore_version in FIX.specifiers), why
 
 
 def test_the_view_answers_only_inside_a_save_in_its_own_context():

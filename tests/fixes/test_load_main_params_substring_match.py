@@ -37,12 +37,6 @@ def worlds(tmp_path_factory, mcore_version):
     )
 
 
-def test_registry():
-    (scenario,) = for_fix(FIX.id)
-    assert (scenario.name, scenario.func, scenario.nproc) == ("grouped_experts", f"{CORE}:grouped_experts", 2)
-    assert scenario.bug[">=0.14.0,<0.17.0"] is sc.THREE_MATCHES
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_unpatched_weight1_matches_weight10_and_weight11(worlds, mcore_version, case):
     """The first distributed optimizer stops on the first grouped weight whose name is part of others."""
@@ -106,12 +100,3 @@ def test_replacement_maps_as_the_release_where_it_maps(mcore_version, layout):
     release = core._release_method(m.DistributedOptimizer)(opt, state_dict)
     assert len(release) == len(names) * len(opt.model_chunks)
     assert core.build_model_param_to_state_dict_param_map(opt, state_dict) == release
-
-
-def test_probe(mcore_version):
-    import megatron.core.optimizer.distrib_optimizer as m
-
-    from mcore_ckpt_fixes.fixes.load_main_params_substring_match.runtime import core
-
-    verdict, why = core.probe(m)  # the release's own method, even after apply
-    assert verdict is (mcore_version in FIX.specifiers), why

@@ -10,14 +10,12 @@ What is shimmed there, in the worker only: ``device="cuda"`` allocations, ``Tens
 import json
 
 import pytest
-from packaging.specifiers import SpecifierSet
 
 from conftest import run_cli
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer import FIX
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import (
-    MIMO_COMMON_STATE,
     MIMO_SAVE_SIDE,
     MIMO_STEP_BUG,
     MIMO_WORLD2_BUG,
@@ -44,12 +42,9 @@ def _need_mimo(version):
 
 
 def test_registry_declares_the_round_trip():
-    assert [s.name for s in for_fix("mimo-optimizer")] == ["world2", "torch_adam"]
-    assert SCENARIO.nproc == 2 and SCENARIO.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:round_trip"
+    """The documented errors, pinned: the unpatched tests compare the worlds with these constants
+    (the form of every fix's registry: tests/fixes/test_every_fix.py)."""
     assert SCENARIO.bug == {MIMO_SAVE_SIDE: MIMO_WORLD2_BUG}  # 0.19: no fix-off failure in this round trip
-    assert ADAM.nproc == 2 and ADAM.func == "mcore_ckpt_fixes.fixes.mimo_optimizer.checks.core:torch_adam"
-    assert ADAM.bug == {MIMO_COMMON_STATE: MIMO_STEP_BUG}
-    assert set(SpecifierSet(MIMO_COMMON_STATE)) == set(FIX.specifiers)  # every affected release
     assert (MIMO_STEP_BUG.phase, MIMO_STEP_BUG.error) == ("load_state_dict", "KeyError: 'step'")
     for bug, idxs in ((MIMO_WORLD2_BUG, (0,)), (MIMO_WORLD4_BUG, (0, 1))):
         assert bug.kind == "raises" and bug.phase == "save"

@@ -15,7 +15,6 @@ from fix_worlds import both_halves
 
 from mcore_ckpt_fixes.fixes.param_group_identity import FIX
 from mcore_ckpt_fixes.fixes.param_group_identity.checks import scenarios as sc
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.param_group_identity.checks.core"
 MODULE = "megatron.core.optimizer.optimizer"
@@ -38,14 +37,6 @@ def _before_019(version):
     from packaging.version import Version
 
     return version < Version("0.19.0")
-
-
-def test_registry():
-    decoupled, changed = for_fix(FIX.id)
-    assert (decoupled.name, decoupled.func, decoupled.nproc) == ("decoupled_lr", f"{CORE}:round_trip", 2)
-    assert decoupled.bug == {">=0.16.0,<0.19.0": sc.ONE_SAVED_GROUP}
-    assert (changed.name, changed.func, changed.nproc) == ("changed_lr", f"{CORE}:changed_lr", 2)
-    assert changed.bug == {">=0.19.0,<=0.19.2": sc.NO_SAVED_GROUP}
 
 
 def _exact(rank, r):
@@ -217,11 +208,3 @@ def test_chosen_keys_are_the_loading_context_s_only(mcore_version):
     t.join(30)
     assert seen == {"loading": release + ("chosen",), "other": release}, seen
     assert tuple(m.param_group_identifier_keys) == release
-
-
-def test_probe(mcore_version):
-    import megatron.core.optimizer.optimizer as m
-    from mcore_ckpt_fixes.fixes.param_group_identity.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is (mcore_version in FIX.specifiers), why

@@ -16,7 +16,6 @@ from fix_worlds import both_halves
 from mcore_ckpt_fixes.fixes.rerun_state_constant_structure import FIX
 from mcore_ckpt_fixes.fixes.rerun_state_constant_structure.checks import scenarios as sc
 from mcore_ckpt_fixes.fixes.rerun_state_constant_structure.checks.core import FIELDS
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.rerun_state_constant_structure.checks.core"
 MODULE = "megatron.core.rerun_state_machine"
@@ -38,11 +37,6 @@ def _resume_code():
     from megatron.core import rerun_state_machine as rsm
 
     return rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE
-
-
-def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc, s.bug) == ("fault_after_cached_plan", f"{CORE}:round_trip", 2, sc.DROPPED)
 
 
 def test_unpatched_fault_time_save_drops_the_rerun_state(worlds, mcore_version):
@@ -109,12 +103,3 @@ def test_disabled_machine_and_other_formats_save_as_the_release(mcore_version):
     validating = rsm.RerunStateMachine(mode=rsm.RerunMode.VALIDATE_RESULTS)
     assert validating.state_dict(None, "torch") is None
     assert validating.state_dict(None, "fsdp_dtensor") is None
-
-
-def test_probe(mcore_version):
-    import megatron.core.rerun_state_machine as m
-
-    from mcore_ckpt_fixes.fixes.rerun_state_constant_structure.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is (mcore_version in FIX.specifiers), why

@@ -14,7 +14,6 @@ from fix_worlds import both_halves
 from mcore_ckpt_fixes.fixes.rerun_transient_checkpoint import FIX
 from mcore_ckpt_fixes.fixes.rerun_transient_checkpoint.checks import scenarios as sc
 from mcore_ckpt_fixes.fixes.rerun_transient_checkpoint.runtime.core import IGNORED
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.rerun_transient_checkpoint.checks.core"
 MODULE = "megatron.core.rerun_state_machine"
@@ -60,11 +59,6 @@ def _fresh():
 
 def _through(mcore_version):
     return "megatron.training" if mcore_version.release >= (0, 17) else "dist_checkpointing"
-
-
-def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc, s.bug) == ("transient_fault_checkpoint", f"{CORE}:round_trip", 2, sc.CRASH)
 
 
 def test_unpatched_resume_from_the_transient_fault_checkpoint_crashes(worlds, mcore_version):
@@ -114,12 +108,3 @@ def test_patched_checkpoint_resumes_training(worlds, mcore_version):
         # The model, exact, from both checkpoints.
         assert r["n_tensors"] > 1 and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
         assert {k.split("/")[0] for k in r["max_delta"]} == {"exit", "old"}, r["max_delta"]
-
-
-def test_probe(mcore_version):
-    import megatron.core.rerun_state_machine as m
-
-    from mcore_ckpt_fixes.fixes.rerun_transient_checkpoint.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is (mcore_version in FIX.specifiers), why

@@ -82,12 +82,6 @@ def test_state_delta_tells_a_cached_gaussian_from_none():
     assert delta(cached, cached) == 0.0 and delta(none, none) == 0.0
 
 
-def test_registered_scenario():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc, s.bug.kind) == ("ep2_round_trip", f"{SC}:ep2_round_trip", 2, "wrong-values")
-    assert s.prepare == f"{SC}:prepare" and s.requires == ("megatron.training.checkpointing:get_rng_state",)
-
-
 def test_not_applicable_before_017(mcore_version):
     """0.16 has no megatron.training in the wheel: the fix says not-applicable, nothing is patched."""
     if _has_training(mcore_version):

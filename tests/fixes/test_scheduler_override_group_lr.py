@@ -16,7 +16,6 @@ from fix_worlds import both_halves
 from mcore_ckpt_fixes.fixes.scheduler_override_group_lr import FIX
 from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks import scenarios as sc
 from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core import NEW, OLD, lrs
-from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.scheduler_override_group_lr.checks.core"
 MODULE = "megatron.core.optimizer_param_scheduler"
@@ -31,12 +30,6 @@ def worlds(tmp_path_factory, mcore_version):
 
 def _paths(mcore_version):
     return ("dist/", "training/") if mcore_version.release >= (0, 17) else ("dist/",)
-
-
-def test_registry():
-    (s,) = for_fix(FIX.id)
-    assert (s.name, s.func, s.nproc, s.bug) == ("override_after_load", f"{CORE}:round_trip", 2, sc.OLD_SCHEDULE)
-    assert s.off_env() == {"MCORE_CKPT_FIXES": "param-group-identity"}
 
 
 def test_unpatched_groups_keep_the_saved_schedule(worlds, mcore_version):
@@ -81,12 +74,3 @@ def test_without_override_nothing_changes(mcore_version):
     opt.param_groups = [{"lr": 0.0, "weight_decay": 0.0, "max_lr": 0.03, "min_lr": 0.0}]  # as a load restores them
     run.load_state_dict(saved)
     assert opt.param_groups[0]["max_lr"] == 0.03 and opt.param_groups[0]["lr"] == 0.03, opt.param_groups
-
-
-def test_probe(mcore_version):
-    import megatron.core.optimizer_param_scheduler as m
-
-    from mcore_ckpt_fixes.fixes.scheduler_override_group_lr.runtime import core
-
-    verdict, why = core.probe(m)
-    assert verdict is True, why  # the scheduler's code is the same on every line; 0.19 gates by range

@@ -13,7 +13,6 @@ from fix_worlds import both_halves
 from packaging.version import Version
 
 from mcore_ckpt_fixes.fixes.torch_adam_step import FIX
-from mcore_ckpt_fixes.fixes.torch_adam_step.checks import scenarios as sc
 from mcore_ckpt_fixes.testing import for_fix
 
 CORE = "mcore_ckpt_fixes.fixes.torch_adam_step.checks.core"
@@ -35,16 +34,6 @@ UNPATCHED = {
 # weights_only default since torch 2.6) holds the hybrid optimizer's class objects from its param
 # groups: with every fix off the load stops (hybrid-optimizer-common-state's bug, on in the other half).
 WEIGHTS_ONLY = "UnpicklingError: Weights only load failed."
-
-
-def test_registry():
-    assert {n: (s.func, s.nproc) for n, s in SCENARIOS.items()} == {
-        n: (f"{CORE}:{n}", 2) for n in ("fresh_load", "stale_step", "fully_reshardable", "hybrid_stale_step")
-    }
-    for name, s in SCENARIOS.items():
-        bug = next(iter(s.bug.values()))
-        assert (bug.kind, bug.phase, bug.error) == ("raises",) + UNPATCHED[name], name
-    assert sc.STALE_STEP_BUG is SCENARIOS["stale_step"].bug[">=0.16.0,<=0.19.2"]
 
 
 @pytest.fixture(scope="module")

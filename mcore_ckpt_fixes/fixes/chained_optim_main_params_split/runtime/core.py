@@ -1,6 +1,6 @@
 """chained-optim-main-params-split's monkeypatch on ``megatron.core.optimizer.optimizer``: a wrapper
 of ``ChainedOptimizer._split_state_dict`` (what ``ChainedOptimizer.reload_model_params`` splits the
-checkpoint with), the probe and apply. Why: the package's docstring. Imported only when the target
+checkpoint with), the probe. Why: the package's docstring. Imported only when the target
 module is.
 
 The wrapper asks :func:`_state_dicts_by_own_chunks` for each sub-optimizer's part and hands any call
@@ -9,10 +9,10 @@ it does not recognise (the helper's ``None``) to the release's own method.
 
 from __future__ import annotations
 
-import sys
 import types
 
-from ....engine.patching import MARK, Patcher, below, is_replacement, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from .. import ID, MODULE
 
 # -- replacement --- the text from here to the end marker is what the source diff inserts into
@@ -52,16 +52,14 @@ def _state_dicts_by_own_chunks(chained, state_dict):
 # -- end of replacement ---
 
 
-def split_state_dict(self, state_dict):
+@layer(ID, MODULE, "_split_state_dict", owner="ChainedOptimizer")
+def split_state_dict(below_us, self, state_dict):
     """``ChainedOptimizer._split_state_dict``: each sub-optimizer gets the checkpoint's entries of
     its own model chunks; any other call, the release's split."""
     parts = _state_dicts_by_own_chunks(self, state_dict)
     if parts is not None:
         return parts
-    return below(ID, sys.modules[MODULE].ChainedOptimizer, "_split_state_dict")(self, state_dict)
-
-
-setattr(split_state_dict, MARK, ID)
+    return below_us(self, state_dict)
 
 
 # -- probe: the release's own split on stand-in sub-optimizers (no model, no process group) --------
@@ -106,7 +104,3 @@ def probe(module: types.ModuleType):
         "ChainedOptimizer.reload_model_params(state_dict) gives only the first sub-optimizer the checkpoint "
         "(one chunk) or hands chunks out by a running offset (several): the others keep the bf16 values"
     )
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(module.ChainedOptimizer, "_split_state_dict", split_state_dict)

@@ -14,7 +14,8 @@ import logging
 import sys
 import types
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, is_replacement, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -23,14 +24,6 @@ DEFAULT_FORMAT = "dp_reshardable"
 FORMAT_KEY = "distrib_optim_sharding_type"
 
 log = logging.getLogger("mcore_ckpt_fixes")
-
-
-def _cls():
-    return getattr(sys.modules[MODULE], CLASS)
-
-
-def _release(name):
-    return original(_cls(), name)
 
 
 # -- (a) and (b): sharded_state_dict ------------------------------------------------------------------
@@ -93,12 +86,11 @@ def _zero_moments(self):
         state.clear()
 
 
-@mark(ID)
-def sharded_state_dict(self, *args, **kwargs):
+@layer(ID, MODULE, "sharded_state_dict", owner=CLASS)
+def sharded_state_dict(release, self, *args, **kwargs):
     """``DistributedOptimizer.sharded_state_dict``: a call that names no format gets
     ``dp_reshardable`` where the release's default cannot be saved, and a request built with
     ``is_loading=False`` on an optimizer without state describes zero moments."""
-    release = below(ID, _cls(), "sharded_state_dict")
     call = _bind(release, (self,) + args, kwargs)
     if call is None:
         return release(self, *args, **kwargs)
@@ -114,15 +106,15 @@ def sharded_state_dict(self, *args, **kwargs):
 # -- (c): load_parameter_state_from_dp_reshardable ----------------------------------------------------
 
 
-@mark(ID)
-def load_parameter_state_from_dp_reshardable(self, state_dict):
+@layer(ID, MODULE, "load_parameter_state_from_dp_reshardable", owner=CLASS)
+def load_parameter_state_from_dp_reshardable(release, self, state_dict):
     """The release's method under ``torch.no_grad()``, as every other ``load_parameter_state_from_*``
     is: it copies into the main parameters, which in an fp32 model are views of parameters that
     require grad."""
     import torch
 
     with torch.no_grad():
-        return below(ID, _cls(), "load_parameter_state_from_dp_reshardable")(self, state_dict)
+        return release(self, state_dict)
 
 
 # -- probe: the release's own methods on inert stand-ins --------------------------------------------

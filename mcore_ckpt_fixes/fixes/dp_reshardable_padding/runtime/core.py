@@ -1,7 +1,7 @@
 """dp-reshardable-padding's monkeypatch on ``megatron.core.optimizer.distrib_optimizer``:
 ``DistributedOptimizer.sharded_param_state_dp_reshardable`` and the state it describes,
-``get_parameter_state_dp_reshardable``, the probe and apply. Why: the package's docstring. Imported
-only when the target module is.
+``get_parameter_state_dp_reshardable``, and the probe. Why: the package's docstring. Imported only
+when the target module is.
 
 The method marks, in a context variable of this module, which optimizer it describes; the state
 getter adds its padding pieces for that optimizer in that context only (any other caller gets the
@@ -11,12 +11,12 @@ release's state). Nothing is swapped on the instance for the length of a call.
 from __future__ import annotations
 
 import contextvars
-import sys
 import types
 
 import torch
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
@@ -91,31 +91,27 @@ def _pad_to_unpadded_bucket_ends(optimizer, state):
 # -- end of replacement ---
 
 
-def _cls():
-    return getattr(sys.modules[MODULE], CLASS)
-
-
 # The distributed optimizer whose dp_reshardable state is being described in this context, or None.
 _DESCRIBING = contextvars.ContextVar("mcore_ckpt_fixes_dp_reshardable_describing", default=None)
 
 
-@mark(ID)
-def sharded_param_state_dp_reshardable(self, *args, **kwargs):
+@layer(ID, MODULE, METHOD, owner=CLASS)
+def sharded_param_state_dp_reshardable(below_us, self, *args, **kwargs):
     """The release's method; inside it, this optimizer's state (:func:`get_parameter_state_dp_reshardable`)
     carries the padding pieces its gap filling cannot make."""
     token = _DESCRIBING.set(self)
     try:
-        return below(ID, _cls(), METHOD)(self, *args, **kwargs)
+        return below_us(self, *args, **kwargs)
     finally:
         _DESCRIBING.reset(token)
 
 
-@mark(ID)
-def get_parameter_state_dp_reshardable(self, *args, **kwargs):
+@layer(ID, MODULE, STATE, owner=CLASS)
+def get_parameter_state_dp_reshardable(below_us, self, *args, **kwargs):
     """``DistributedOptimizer.get_parameter_state_dp_reshardable``: the release's state; for this
     optimizer's own ``sharded_param_state_dp_reshardable`` in this context, with the padding pieces
     of :func:`_pad_to_unpadded_bucket_ends`. Every other caller gets the release's state."""
-    state = below(ID, _cls(), STATE)(self, *args, **kwargs)
+    state = below_us(self, *args, **kwargs)
     if _DESCRIBING.get() is self:
         return _pad_to_unpadded_bucket_ends(self, state)
     return state
@@ -194,8 +190,3 @@ def probe(module: types.ModuleType):
     if not found:
         return False, f"{CLASS}.{METHOD} describes a bucket's end padding within the checkpoint tensor"
     return True, f"{CLASS}.{METHOD} " + "; ".join(found)
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(module.__dict__[CLASS], METHOD, sharded_param_state_dp_reshardable)
-    patcher.replace(module.__dict__[CLASS], STATE, get_parameter_state_dp_reshardable)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, below, has_layer, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, has_layer, is_replacement, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import EXPERTS, ID, UTILS
 from . import shard
@@ -161,14 +162,15 @@ def _stale(name, me):
     return None if current is me else current
 
 
-@mark(ID)
-def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
+@layer(ID, UTILS, TP_HELPER)
+def make_tp_sharded_tensor_for_checkpoint(
+    below_us, tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs
+):
     stale = _stale(TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
     if stale is not None:
         return stale(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
-    orig = below(ID, UTILS, TP_HELPER)
     if not _takes_dtensor_branch(TP_HELPER, tensor):
-        return orig(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+        return below_us(tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     layout = dtensor_layout(tensor, key)
     ours = replica_id is None
     if ours:  # the DTensor's mesh holds every copy of its data: it says who writes, not the dense group
@@ -177,20 +179,19 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
         tp_rank, tp_size, rest = _groups(TP_HELPER, kwargs)
         sh = build_sharded_tensor(key, tensor, prepend_offsets, tp_axis, tp_rank, tp_size, replica_id, rest)
     else:  # all Replicate / size-1 mesh: the plain path, on the local (= full) tensor
-        sh = orig(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
+        sh = below_us(tensor._local_tensor, key, tp_axis, replica_id, prepend_offsets, **kwargs)
     if ours:
         setattr(sh, REPLICA_ATTR, layout.replica)
     return sh
 
 
-@mark(ID)
-def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
+@layer(ID, UTILS, HELPER)
+def make_sharded_tensor_for_checkpoint(below_us, tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
     stale = _stale(HELPER, make_sharded_tensor_for_checkpoint)
     if stale is not None:
         return stale(tensor, key, prepend_offsets, replica_id, **kwargs)
-    orig = below(ID, UTILS, HELPER)
     if not _takes_dtensor_branch(HELPER, tensor):
-        return orig(tensor, key, prepend_offsets, replica_id, **kwargs)
+        return below_us(tensor, key, prepend_offsets, replica_id, **kwargs)
     layout = dtensor_layout(tensor, key)
     ours = replica_id is None
     if ours or layout.sharded:
@@ -200,16 +201,16 @@ def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_
     if layout.sharded:
         sh = build_sharded_tensor(key, tensor, prepend_offsets, None, 0, 1, replica_id, rest)
     else:  # all Replicate / size-1 mesh: never materialise, the local tensor is the full one
-        sh = orig(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
+        sh = below_us(tensor._local_tensor, key, prepend_offsets, replica_id, **kwargs)
     if ours:
         setattr(sh, REPLICA_ATTR, layout.replica)
     return sh
 
 
-@mark(ID)
-def sequential_mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+@layer(ID, EXPERTS, "sharded_state_dict", owner="SequentialMLP")
+def sequential_mlp_sharded_state_dict(below_us, self, prefix="", sharded_offsets=(), metadata=None):
     """SequentialMLP's, with the DP replica index of DTensor-described expert shards kept."""
-    out = below(ID, sys.modules[EXPERTS].SequentialMLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+    out = below_us(self, prefix, sharded_offsets, metadata)
     for sh in out.values():
         dp_replica = getattr(sh, REPLICA_ATTR, None)
         if dp_replica is not None and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3:

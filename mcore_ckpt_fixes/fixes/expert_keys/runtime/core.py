@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import types
 
+from ....engine.layers import layer
 from ....engine.patching import Patcher, below, is_replacement, mark, original
 from ....engine.probing import in_scope, module_scope, module_scopes
 from .. import ID, MODULE, NAMES, TRAINING, UNEVEN
@@ -34,24 +35,24 @@ def _active(name, replacement, module_name=MODULE):
 # The functions bound in Megatron's modules: plain module-level functions (picklable by name).
 
 
-@mark(ID)
-def get_expert_index_from_key(key):
+@layer(ID, MODULE, "get_expert_index_from_key")
+def get_expert_index_from_key(below_us, key):
     if not _active("get_expert_index_from_key", get_expert_index_from_key):
-        return below(ID, MODULE, "get_expert_index_from_key")(key)
+        return below_us(key)
     return _FIXED["get_expert_index_from_key"](key)
 
 
-@mark(ID)
-def handle_experts_in_state_dict(state_dict, num_experts=None):
+@layer(ID, MODULE, "handle_experts_in_state_dict")
+def handle_experts_in_state_dict(below_us, state_dict, num_experts=None):
     if not _active("handle_experts_in_state_dict", handle_experts_in_state_dict):
-        return below(ID, MODULE, "handle_experts_in_state_dict")(state_dict, num_experts)
+        return below_us(state_dict, num_experts)
     return _FIXED["handle_experts_in_state_dict"](state_dict, num_experts)
 
 
-@mark(ID)
-def expert_param_local_key(key, num_experts=None):
+@layer(ID, MODULE, "expert_param_local_key")
+def expert_param_local_key(below_us, key, num_experts=None):
     if not _active("expert_param_local_key", expert_param_local_key):
-        return below(ID, MODULE, "expert_param_local_key")(key, num_experts)
+        return below_us(key, num_experts)
     return _FIXED["expert_param_local_key"](key, num_experts)
 
 
@@ -77,13 +78,13 @@ del _name
 # -- load: a checkpoint written by an unfixed release (monkeypatch only; not in the source diff) ----
 
 
-@mark(ID)
-def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwargs):
+@layer(ID, MODULE, "print_diff_in_state_dicts")
+def print_diff_in_state_dicts(below_us, state_dict_metadata, load_state_dict, *args, **kwargs):
     """Upstream's (logs, at info level, the keys a partial fsdp_dtensor load will skip), then a
     ``MegatronPatchWarning`` if the checkpoint holds expert biases or single grouped expert tensors
     in the unfixed layout (grouped ones: the load is pointed at what is stored, see
     :func:`.old_layouts.align_old_grouped_expert_layout`)."""
-    result = below(ID, MODULE, "print_diff_in_state_dicts")(state_dict_metadata, load_state_dict, *args, **kwargs)
+    result = below_us(state_dict_metadata, load_state_dict, *args, **kwargs)
     if _active("print_diff_in_state_dicts", print_diff_in_state_dicts):
         texts = (
             old_layouts.old_expert_bias_layout_warning(state_dict_metadata, load_state_dict),

@@ -9,10 +9,10 @@ helper does not recognise, is the release's.
 
 from __future__ import annotations
 
-import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 
@@ -147,11 +147,11 @@ def _release_method(cls):
     return original(cls, "sharded_state_dict")  # the release's, even after apply
 
 
-@mark(ID)
-def mlp_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+@layer(ID, MODULE, "sharded_state_dict", owner="MLP")
+def mlp_sharded_state_dict(below_us, self, prefix="", sharded_offsets=(), metadata=None):
     """``MLP.sharded_state_dict``: the release's, its SwiGLU ``linear_fc1`` factories of FSDP2
     shards given their place in [W; V]."""
-    out = below(ID, sys.modules[MODULE].MLP, "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+    out = below_us(self, prefix, sharded_offsets, metadata)
     if getattr(self.config, "gated_linear_unit", False):
         fc1 = self._modules.get("linear_fc1")
         for name in ("weight", "bias"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 
+from ....engine.layers import layer
 from ....engine.patching import Patcher, below, mark, original
 from .. import ID
 
@@ -111,11 +112,11 @@ def _release_load_code():
     return original(sys.modules[SERIALIZATION], "load").__code__
 
 
-@mark(ID)
-def save_preprocess(sharded_state_dict, *args, **kwargs):
+@layer(ID, SERIALIZATION, "save_preprocess")
+def save_preprocess(below_us, sharded_state_dict, *args, **kwargs):
     """``serialization.save_preprocess``: the release's, plus the marks of in-place SwiGLU pieces."""
     marks = _swiglu_fsdp2_layout_marks(sharded_state_dict)  # before the factories are applied
-    sharded_part, common = below(ID, sys.modules[SERIALIZATION], "save_preprocess")(sharded_state_dict, *args, **kwargs)
+    sharded_part, common = below_us(sharded_state_dict, *args, **kwargs)
     if marks:
         sharded_part[SWIGLU_FSDP2_LAYOUT] = marks
     return sharded_part, common

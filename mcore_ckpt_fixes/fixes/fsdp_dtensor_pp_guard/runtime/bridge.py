@@ -23,7 +23,8 @@ import contextvars
 import os
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import in_scope, module_scope
 from .. import ID
 
@@ -110,28 +111,25 @@ def _run_config(args, kwargs):
     return cfg if fmt == "fsdp_dtensor" and getattr(cfg, "model", None) is not None else None
 
 
-@mark(ID)
-def _load_checkpoint_from_path(*args, **kwargs):
+@layer(ID, MODULE, ENTRY)
+def _load_checkpoint_from_path(below_us, *args, **kwargs):
     """Bridge's ``_load_checkpoint_from_path``; an fsdp_dtensor load of it checks the checkpoint's
     run config as the release reads it (:func:`read_run_config`)."""
-    func = below(ID, MODULE, ENTRY)
     cfg = _run_config(args, kwargs)
     if cfg is None:
-        return func(*args, **kwargs)
+        return below_us(*args, **kwargs)
     token = _FSDP_DTENSOR_LOAD.set(cfg)
     try:
-        return func(*args, **kwargs)
+        return below_us(*args, **kwargs)
     finally:
         _FSDP_DTENSOR_LOAD.reset(token)
 
 
-@mark(ID)
-def read_run_config(run_config_filename, *args, **kwargs):
+@layer(ID, MODULE, READ)
+def read_run_config(below_us, run_config_filename, *args, **kwargs):
     """The checkpointing module's ``read_run_config``: within an fsdp_dtensor load, the run config it
     read (every rank reads it: rank 0 from the file, broadcast) is compared with the run's layout."""
-    import sys
-
-    run_config = below(ID, sys.modules[MODULE], READ)(run_config_filename, *args, **kwargs)
+    run_config = below_us(run_config_filename, *args, **kwargs)
     cfg = _FSDP_DTENSOR_LOAD.get()
     if cfg is not None:
         _refuse_fsdp_dtensor_pipeline_change(run_config, cfg.model, os.path.dirname(str(run_config_filename)))

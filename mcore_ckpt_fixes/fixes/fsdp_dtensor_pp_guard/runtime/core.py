@@ -1,6 +1,6 @@
 """fsdp-dtensor-pp-guard's monkeypatch on ``megatron.training.checkpointing``: a layer on
 ``_load_base_checkpoint`` that refuses a ``fsdp_dtensor`` checkpoint whose pipeline layout is not
-the run's, the probe and apply. Why: the package's docstring. Imported only when the target module is.
+the run's, and the probe. Why: the package's docstring. Imported only when the target module is.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import inspect
 import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import original
 from ....engine.probing import in_scope, module_scope
 from .. import ID, MODULE
 
@@ -58,13 +59,12 @@ def _refuse_fsdp_dtensor_pipeline_change(state_dict, args, checkpoint_name):
 # -- end of replacement ---
 
 
-@mark(ID)
-def _load_base_checkpoint(*args, **kwargs):
+@layer(ID, MODULE, NAME)
+def _load_base_checkpoint(below_us, *args, **kwargs):
     """``_load_base_checkpoint``, refusing a fsdp_dtensor checkpoint of another pipeline layout as
     soon as its arguments are read (from 0.19 before any tensor: the rank-0 read of the arguments)."""
     module = sys.modules[MODULE]
-    fn = below(ID, module, NAME)
-    out = fn(*args, **kwargs)
+    out = below_us(*args, **kwargs)
     if isinstance(out, tuple) and len(out) == 4 and out[3] == getattr(module.CheckpointType, "FSDP_DTENSOR", None):
         call = inspect.signature(original(module, NAME)).bind(*args, **kwargs)
         _refuse_fsdp_dtensor_pipeline_change(out[0], call.arguments["args"], out[1])
@@ -111,7 +111,3 @@ def probe(module: types.ModuleType):
         # A source carrying this guard's diff (patches/fsdp-dtensor-pp-guard/).
         return False, "the fsdp_dtensor load refuses a checkpoint of another pipeline layout"
     return True, "fsdp_dtensor checkpoints name each layer by its index within its pipeline stage"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace_function(module, NAME, _load_base_checkpoint)
