@@ -11,8 +11,12 @@ from mcore_ckpt_fixes.testing import resolve
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 
-def both_halves(fix, entry, off_env, tmp_path_factory, mcore_version, nproc=2):
-    """``{patched: [each rank's value]}`` for ``entry`` ("module:function") with the fix off and on."""
+def both_halves(fix, entry, off_env=None, tmp_path_factory=None, mcore_version=None, nproc=2):
+    """``{patched: [each rank's value]}`` for ``entry`` ("module:function") with the fix off and on.
+    ``off_env``: the fix-off half's flags, the fix's own flag off by default."""
+    from mcore_ckpt_fixes.engine.flags import env_var_for
+
+    off_env = {env_var_for(fix.id): "off"} if off_env is None else off_env
     if mcore_version not in fix.specifiers:
         pytest.skip(f"Megatron-Core {mcore_version} is outside {fix.affected}")
     resolve(f"{entry.partition(':')[0]}:prepare")()

@@ -466,3 +466,31 @@ def test_reworked_code_is_left_alone(fix_id, module, every_fix):
         assert outcome["verdict"] is None and outcome["reason"].strip(), (names, outcome)
     else:
         assert "raised" in outcome, (names, outcome)
+
+
+# -- nothing left as the scaffold wrote it -----------------------------------------------------------
+
+UNWRITTEN = "NOT WRITTEN YET"  # what tools/new_fix.py writes where the bug's own knowledge goes
+
+
+def unwritten_files(root: str, fix_id: str) -> list:
+    """The files of ``fix_id`` (its folder and its test) that still hold the scaffold's marker."""
+    pkg = fix_id.replace("-", "_")
+    paths = [os.path.join(root, "tests", "fixes", f"test_{pkg}.py")]
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "mcore_ckpt_fixes", "fixes", pkg)):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        paths += [os.path.join(dirpath, name) for name in filenames]
+    found = []
+    for path in sorted(paths):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if UNWRITTEN in f.read():
+                    found.append(os.path.relpath(path, root))
+    return found
+
+
+@pytest.mark.parametrize("fix_id", ORDER)
+def test_nothing_left_unwritten(fix_id):
+    """A fix started with tools/new_fix.py is done when no file of it says the scaffold's marker."""
+    left = unwritten_files(ROOT, fix_id)
+    assert not left, f"{fix_id}: still {UNWRITTEN!r} in " + ", ".join(left)
