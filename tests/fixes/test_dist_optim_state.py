@@ -33,9 +33,7 @@ UNPATCHED = {
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
     """Both halves, every case, one world each (cases share one save per kind of source)."""
-    return both_halves(
-        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_DIST_OPTIM_STATE": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 @pytest.mark.parametrize("case", list(UNPATCHED))

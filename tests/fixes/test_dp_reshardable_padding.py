@@ -27,9 +27,7 @@ BUCKETS = {  # (unpadded, padded) per bucket: the geometry each case is about
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_DP_RESHARDABLE_PADDING": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _results(worlds, patched, case):

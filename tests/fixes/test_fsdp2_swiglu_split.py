@@ -20,9 +20,7 @@ MODULE = "megatron.core.transformer.mlp"
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_FSDP2_SWIGLU_SPLIT": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def test_unpatched_own_layout_exact_unsharded_w_and_v_rows_swapped(worlds, mcore_version):

@@ -29,9 +29,7 @@ REFUSAL = (
 def worlds(tmp_path_factory, mcore_version):
     if mcore_version.release[:2] < (0, 17):
         pytest.skip("megatron.training (the fsdp_dtensor save and load) ships in the wheel from 0.17")
-    return both_halves(
-        FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_FSDP_DTENSOR_PP_GUARD": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:round_trip", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def test_unpatched_stage_1_resumes_with_layer_0(worlds, mcore_version):

@@ -22,9 +22,7 @@ RESTORED = "the load restored other values than the source saved"
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_FULLY_RESHARDABLE_BUCKETS": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _loaded(deltas):

@@ -23,9 +23,7 @@ FILE = "iter_0000001/mp_rank_0{}/model_optim_rng.pt"
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX, f"{CORE}:round_trip", {"MCORE_CKPT_FIX_LEGACY_SAVE_WRITERS": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:round_trip", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def test_unpatched_never_writes_tp_rank_1s_file(worlds, mcore_version):

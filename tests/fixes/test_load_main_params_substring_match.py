@@ -28,13 +28,7 @@ CASES = {"grouped_experts": ("dense",), "grouped_experts_ep2": ("dense", "expert
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX,
-        f"{CORE}:cases",
-        {"MCORE_CKPT_FIX_LOAD_MAIN_PARAMS_SUBSTRING_MATCH": "off"},
-        tmp_path_factory,
-        mcore_version,
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -23,7 +23,7 @@ NUMPY2 = int(numpy.__version__.split(".")[0]) >= 2
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_NUMPY2_PRODUCT": "off"}, tmp_path_factory, mcore_version)
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -24,9 +24,7 @@ BASE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX, f"{CORE}:cases", {"MCORE_CKPT_FIX_PARAM_GROUP_IDENTITY": "off"}, tmp_path_factory, mcore_version
-    )
+    return both_halves(FIX, f"{CORE}:cases", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _case(worlds, patched, case):

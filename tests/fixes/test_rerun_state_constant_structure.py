@@ -24,13 +24,7 @@ SHARDS = ["rerun_state_machine_state/shard_0_2", "rerun_state_machine_state/shar
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX,
-        f"{CORE}:round_trip",
-        {"MCORE_CKPT_FIX_RERUN_STATE_CONSTANT_STRUCTURE": "off"},
-        tmp_path_factory,
-        mcore_version,
-    )
+    return both_halves(FIX, f"{CORE}:round_trip", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _resume_code():

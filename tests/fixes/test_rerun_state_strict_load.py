@@ -36,13 +36,7 @@ RELEASE = {
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX,
-        f"{CORE}:round_trip",
-        {"MCORE_CKPT_FIX_RERUN_STATE_STRICT_LOAD": "off"},
-        tmp_path_factory,
-        mcore_version,
-    )
+    return both_halves(FIX, f"{CORE}:round_trip", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _through(mcore_version):

@@ -35,13 +35,7 @@ FRESH = {
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory, mcore_version):
-    return both_halves(
-        FIX,
-        f"{CORE}:round_trip",
-        {"MCORE_CKPT_FIX_RERUN_TRANSIENT_CHECKPOINT": "off"},
-        tmp_path_factory,
-        mcore_version,
-    )
+    return both_halves(FIX, f"{CORE}:round_trip", tmp_path_factory=tmp_path_factory, mcore_version=mcore_version)
 
 
 def _failed_code():
