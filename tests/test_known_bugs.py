@@ -1,5 +1,6 @@
-"""The known-bugs catalogue (mcore_ckpt_fixes/known_bugs.json): well formed, consistent with the fixes,
-counted right for a release, printed by ``status``, and a malformed file named in one line."""
+"""The known-bugs catalogue (each fix's entries in mcore_ckpt_fixes/fixes/<fix>/bugs.json, the others in
+mcore_ckpt_fixes/known_bugs.json): well formed, consistent with the fixes, counted right for a release,
+printed by ``status``, and a malformed file named in one line."""
 
 import json
 import os
@@ -14,9 +15,13 @@ from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.fixes import ORDER
 
 
-def _raw():
-    with open(known_bugs.PATH, encoding="utf-8") as f:
+def _raw(path=known_bugs.PATH):
+    with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _fix_file(fix_id, fixes_dir=known_bugs.FIXES_DIR):
+    return os.path.join(fixes_dir, fix_id.replace("-", "_"), "bugs.json")
 
 
 def _sweep_releases():
@@ -26,7 +31,15 @@ def _sweep_releases():
 
 def test_catalogue_is_well_formed():
     bugs = known_bugs.load()
-    assert bugs == _raw()["bugs"] and len(bugs) >= 30
+    # The fixes' files in ORDER, each entry given its fix, then the central file's.
+    from_files = [
+        {**b, "fix": fix_id}
+        for fix_id in ORDER
+        if os.path.isfile(_fix_file(fix_id))
+        for b in _raw(_fix_file(fix_id))["bugs"]
+    ]
+    assert bugs == from_files + _raw()["bugs"] and len(bugs) >= 30
+    assert all(b["status"] not in ("fixed", "guarded") and "fix" not in b for b in _raw()["bugs"])
     ids = [b["id"] for b in bugs]
     assert len(ids) == len(set(ids))
     fixes = ENGINE.discover()
@@ -162,29 +175,150 @@ def test_importing_the_package_does_not_read_the_catalogue():
     assert proc.stdout.strip() == "False"
 
 
+def _copy_catalogue(tmp_path):
+    """The catalogue's files under ``tmp_path``: (central file, fixes folder) for :func:`known_bugs.load`."""
+    os.makedirs(tmp_path, exist_ok=True)
+    for fix_id in ORDER:
+        if os.path.isfile(_fix_file(fix_id)):
+            os.makedirs(os.path.dirname(_fix_file(fix_id, tmp_path / "fixes")))
+            shutil.copy(_fix_file(fix_id), _fix_file(fix_id, tmp_path / "fixes"))
+    shutil.copy(known_bugs.PATH, tmp_path / "known_bugs.json")
+    return str(tmp_path / "known_bugs.json"), str(tmp_path / "fixes")
+
+
+def _edit(path, change):
+    data = _raw(path)
+    change(data)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+def _refused(tmp_path, edits):
+    """The message of the error ``load`` raises after ``edits`` ({file: change}, ``None`` for the
+    central file, a fix id for that fix's file); it is one line."""
+    central, fixes_dir = _copy_catalogue(tmp_path)
+    for where, change in edits.items():
+        _edit(central if where is None else _fix_file(where, fixes_dir), change)
+    with pytest.raises(known_bugs.KnownBugsError) as info:
+        known_bugs.load(central, fixes_dir)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+MIMO = "fixes/mimo_optimizer/bugs.json: "
+TP = "fixes/tp_group/bugs.json: "
+
+
 @pytest.mark.parametrize(
-    "change, names",
+    "where, change, names",
     [
-        (lambda d: d["bugs"][3].pop("symptom"), ("entry 3 (mimo-replica-id)", "'symptom'", "missing")),
-        (lambda d: d["bugs"][0].update(status="done"), ("entry 0 (tp-group-pg-collection)", "'status'", "'done'")),
-        (lambda d: d["bugs"][1].update(fix="mimo"), ("(mimo-optimizer-keyerror)", "'fix'", "'mimo'")),
-        (lambda d: d["bugs"][2].update(affected="0.17"), ("(mimo-sharding-type-lost)", "'affected'", "PEP 440")),
-        (lambda d: d["bugs"][5].update(id=d["bugs"][4]["id"]), ("entry 5 (mimo-key-collision)", "'id'", "duplicate")),
-        (lambda d: d["bugs"][6].update(silent="yes"), ("(gdn-fsdp-double-tp-split)", "'silent'", "'yes'")),
-        (lambda d: d["bugs"][0].update(how="x"), ("(tp-group-pg-collection)", "'how'", "'fixed'")),
-        (lambda d: d["bugs"][0].update(seen="x"), ("(tp-group-pg-collection)", "'seen'", "unknown field")),
+        (
+            "mimo-optimizer",
+            lambda d: d["bugs"][2].pop("symptom"),
+            (MIMO + "entry 2 (mimo-replica-id)", "'symptom'", "missing"),
+        ),
+        (
+            "tp-group",
+            lambda d: d["bugs"][0].update(status="done"),
+            (TP + "entry 0 (tp-group-pg-collection)", "'status'", "'done'"),
+        ),
+        (
+            "mimo-optimizer",
+            lambda d: d["bugs"][1].update(affected="0.17"),
+            (MIMO + "entry 1 (mimo-sharding-type-lost)", "'affected'", "PEP 440"),
+        ),
+        (
+            "mimo-optimizer",
+            lambda d: d["bugs"][4].update(id=d["bugs"][3]["id"]),
+            (MIMO + "entry 4 (mimo-key-collision)", "'id'", "duplicate", "also " + MIMO[:-2] + " entry 3"),
+        ),
+        (
+            "gdn-fsdp-split",
+            lambda d: d["bugs"][0].update(silent="yes"),
+            ("fixes/gdn_fsdp_split/bugs.json: ", "(gdn-fsdp-double-tp-split)", "'silent'", "'yes'"),
+        ),
+        ("tp-group", lambda d: d["bugs"][0].update(how="x"), (TP, "(tp-group-pg-collection)", "'how'", "'fixed'")),
+        (
+            "tp-group",
+            lambda d: d["bugs"][0].update(seen="x"),
+            (TP, "(tp-group-pg-collection)", "'seen'", "unknown field"),
+        ),
+        (None, lambda d: d["bugs"][0].pop("how"), ("known_bugs.json: entry 0", "'how'", "non-empty string")),
+        (None, lambda d: d["bugs"][1].update(status="done"), ("known_bugs.json: entry 1", "'status'", "'done'")),
+        (None, lambda d: d["bugs"][2].update(why="x"), ("known_bugs.json: entry 2", "'why'", "'not-reproduced'")),
+        (None, lambda d: d.update(bugs={}), ("known_bugs.json: ", "a list 'bugs'")),
+        ("tp-group", lambda d: d.update(bugs=None), (TP, "a list 'bugs'")),
     ],
 )
-def test_malformed_catalogue_is_one_line_naming_entry_and_field(tmp_path, change, names):
-    data = _raw()
-    change(data)
-    path = tmp_path / "known_bugs.json"
-    path.write_text(json.dumps(data))
+def test_malformed_catalogue_is_one_line_naming_file_entry_and_field(tmp_path, where, change, names):
+    message = _refused(tmp_path, {where: change})
+    assert message.startswith(names[0]) and all(n in message for n in names), message
+
+
+def test_a_fix_field_in_a_fix_folder_is_refused(tmp_path):
+    """The folder names the fix: an entry there that names one too (the same or another) is an error."""
+    for fix in ("tp-group", "mimo-optimizer"):
+        message = _refused(tmp_path / fix, {"tp-group": lambda d, fix=fix: d["bugs"][0].update(fix=fix)})
+        assert message.startswith(TP + "entry 0 (tp-group-pg-collection): field 'fix': "), message
+        assert "folder" in message, message
+
+
+@pytest.mark.parametrize("status", ["open", "not-in-scope", "not-reproduced"])
+def test_a_fix_folder_holds_only_fixed_or_guarded_entries(tmp_path, status):
+    detail = known_bugs.DETAIL[status]
+    message = _refused(tmp_path, {"tp-group": lambda d: d["bugs"][0].update(status=status, **{detail: "x"})})
+    assert message.startswith(TP + "entry 0 (tp-group-pg-collection): field 'status': "), message
+    assert repr(status) in message and "known_bugs.json" in message, message
+
+
+def test_a_fixed_entry_in_the_central_file_is_refused(tmp_path):
+    """An entry a fix covers lives in that fix's folder; the message names the folder's file."""
+
+    def fixed_by_tp_group(d):
+        d["bugs"][0].pop("how")
+        d["bugs"][0].update(status="fixed", fix="tp-group")
+
+    message = _refused(tmp_path, {None: fixed_by_tp_group})
+    assert message.startswith("known_bugs.json: entry 0 ("), message
+    assert "'status'" in message and "fixes/tp_group/bugs.json" in message, message
+
+
+def test_a_duplicate_id_across_files_names_both_places(tmp_path):
+    central = _raw()
+    first = central["bugs"][0]["id"]
+    # A fix's file and the central file: the fixes' files are read first, so the central entry is the second.
+    message = _refused(tmp_path / "central", {"tp-group": lambda d: d["bugs"][0].update(id=first)})
+    assert message.startswith(f"known_bugs.json: entry 0 ({first}): field 'id': duplicate id"), message
+    assert f"also {TP[:-2]} entry 0" in message, message
+    # Two fixes' files: the one later in ORDER is named first.
+    message = _refused(
+        tmp_path / "fixes", {"mimo-optimizer": lambda d: d["bugs"][0].update(id="tp-group-pg-collection")}
+    )
+    assert message.startswith(MIMO + "entry 0 (tp-group-pg-collection): field 'id': duplicate id"), message
+    assert f"also {TP[:-2]} entry 0" in message, message
+
+
+def test_a_fix_folder_without_bugs_is_fine_and_a_stray_file_is_not(tmp_path):
+    central, fixes_dir = _copy_catalogue(tmp_path)
+    os.remove(_fix_file("tp-group", fixes_dir))
+    bugs = known_bugs.load(central, fixes_dir)
+    assert "tp-group-pg-collection" not in {b["id"] for b in bugs} and len(bugs) == len(known_bugs.load()) - 1
+    # A folder that is no fix of ORDER: its entries would never be read.
+    os.makedirs(os.path.join(fixes_dir, "no_such_fix"))
+    shutil.copy(_fix_file("mimo-optimizer"), os.path.join(fixes_dir, "no_such_fix", "bugs.json"))
     with pytest.raises(known_bugs.KnownBugsError) as info:
-        known_bugs.load(str(path))
-    message = str(info.value)
-    assert "\n" not in message and message.startswith("known_bugs.json: ")
-    assert all(n in message for n in names), message
+        known_bugs.load(central, fixes_dir)
+    assert str(info.value).startswith("fixes/no_such_fix/bugs.json: 'no-such-fix' is not a fix"), str(info.value)
+
+
+def test_a_fix_file_that_is_not_json_is_named(tmp_path):
+    central, fixes_dir = _copy_catalogue(tmp_path)
+    with open(_fix_file("mimo-optimizer", fixes_dir), "w") as f:
+        f.write('{"bugs": [')
+    with pytest.raises(known_bugs.KnownBugsError) as info:
+        known_bugs.load(central, fixes_dir)
+    assert str(info.value).startswith(MIMO + "not valid JSON"), str(info.value)
 
 
 def test_status_with_a_malformed_catalogue_says_so_in_one_line(tmp_path):

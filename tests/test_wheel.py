@@ -6,7 +6,8 @@ virtual environment that sees Megatron-Core and torch but not this repository, w
 Shipped: every module under ``mcore_ckpt_fixes/`` (the engine, each fix's declaration, ``runtime/``
 and ``checks/`` -- the selftest's round trips --, ``testing/``, ``resume/``, ``cli/``, ``doctor/``,
 the catalogue, ``dcp_metadata``), whether its folder has an ``__init__.py`` or is a namespace
-package, plus ``known_bugs.json``, ``py.typed`` and the ``.pth`` activation line. Left out
+package, plus the known-bugs catalogue's data (``known_bugs.json`` and each fix's ``bugs.json``),
+``py.typed`` and the ``.pth`` activation line. Left out
 (pyproject.toml, ``[tool.hatch.build.targets.wheel] exclude``): each fix's ``diff/`` (the source-diff
 builders: tools/patchgen and tests/patches), ``sourcediff.py`` (theirs), each fix's ``doc.md``
 (tools/docs.py's input), ``testing/known_bug_repros.py`` (the GPU tests') and ``cli/resume_across.py``
@@ -41,8 +42,9 @@ LEFT_OUT = re.compile(
     r"|cli/resume_across\.py"
     r")$"
 )
-# The package's data files (read at run time, or by type checkers), and the files beside the package.
-DATA = {"mcore_ckpt_fixes/known_bugs.json", "mcore_ckpt_fixes/py.typed"}
+# The package's data files (read at run time, or by type checkers: the known-bugs catalogue, central
+# and per fix), and the files beside the package.
+DATA = re.compile(r"^mcore_ckpt_fixes/(known_bugs\.json|py\.typed|fixes/[^/]+/bugs\.json)$")
 BESIDE = {"mcore_ckpt_fixes_auto.pth"}
 # A dotted name built at run time that ends in, or goes through, a diff package (f"{home}.diff",
 # "diff", ".diff.core"): prose has spaces, these do not.
@@ -61,7 +63,7 @@ def _tree_files():
 
 def _expected():
     """The rules: every module of the package and the data files, less what LEFT_OUT names."""
-    kept = {p for p in _tree_files() if (p.endswith(".py") or p in DATA) and not LEFT_OUT.match(p)}
+    kept = {p for p in _tree_files() if (p.endswith(".py") or DATA.match(p)) and not LEFT_OUT.match(p)}
     return kept | BESIDE
 
 
@@ -96,6 +98,7 @@ def test_wheel_ships_the_runtime_and_leaves_the_rest_out(wheel):
         f"shipped but not by the rules (pyproject.toml exclude?): {sorted(shipped - expected)}"
     )
     assert any(LEFT_OUT.match(p) for p in _tree_files())
+    assert any(p.endswith("/bugs.json") for p in expected)  # the fixes' catalogue entries (status reads them)
 
 
 def test_wheel_is_reproducible(wheel, tmp_path):

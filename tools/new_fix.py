@@ -116,8 +116,20 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     return rt.result
 '''
 
-PAGE = """{MARK}: what breaks, for whom, on which releases; what the fix does; what a checkpoint
-saved without it holds and how it loads; what is verified.
+PAGE = """**Affected Megatron-Core:** {MARK}. **Without it:** {MARK}: what breaks, in one line (the fix's row
+in docs/fixes.md).
+
+## What breaks
+
+{MARK}: for whom, on which releases, with which error or which wrong values.
+
+## What the fix does
+
+{MARK}: and what a checkpoint saved without it holds, and how it loads.
+
+## Source diffs
+
+{MARK}: the files each diff edits (this paragraph is the fix's row in patches/README.md).
 """
 
 TEST = '''"""{id}: both halves on every affected CI line (see checks/core.py)."""
