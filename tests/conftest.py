@@ -38,7 +38,7 @@ def megatron_version():
     return detect().version
 
 
-def _child_env(paths: list, env: dict | None) -> dict:
+def child_env(paths: list, env: dict | None) -> dict:
     """This environment without fix flags, ``paths`` before the inherited PYTHONPATH, then ``env``
     (whose own PYTHONPATH entries, if any, go first: the caller's must shadow the environment's)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_CKPT_FIX")}
@@ -57,7 +57,7 @@ def run_py(
     PYTHONPATH, e.g. a patched source tree, first on the path). ``main_only``: the code runs under
     ``if __name__ == "__main__":``, for code that saves on releases whose checkpoint writer starts
     ``spawn`` processes (they import the script again)."""
-    full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
+    full_env = child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
     code = textwrap.dedent(code)
     if main_only:
         code = 'if __name__ == "__main__":\n' + textwrap.indent(code, "    ")
@@ -83,7 +83,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """``python -m mcore_ckpt_fixes ARGS`` in a fresh interpreter, as a user runs it (``preexec_fn``:
     run in the child before it starts Python, e.g. to take privileges away)."""
-    full_env = _child_env([ROOT], env)
+    full_env = child_env([ROOT], env)
     return subprocess.run(
         [sys.executable, "-m", "mcore_ckpt_fixes", *args],
         env=full_env,
@@ -152,7 +152,7 @@ class WarmPython:
     SERVER = os.path.join(TESTS, "patches", "warm_python.py")
 
     def __init__(self):
-        self.env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], None)
+        self.env = child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], None)
         self.proc = subprocess.Popen(
             [sys.executable, self.SERVER], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -172,7 +172,7 @@ class WarmPython:
         code = textwrap.dedent(code)
         if main_only:
             code = 'if __name__ == "__main__":\n' + textwrap.indent(code, "    ")
-        full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
+        full_env = child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
         with tempfile.TemporaryDirectory(prefix="mcore_ckpt_fixes_test_") as where:
             script = os.path.join(where, "mcore_ckpt_fixes_test_script.py")
             out = os.path.join(where, "output.txt")

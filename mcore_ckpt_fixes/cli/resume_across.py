@@ -48,7 +48,7 @@ def stack() -> dict:
 
 def _world(cfg, phase, ckpt_dir, fixes):
     """(values per rank, error line, traceback): one world of forked ranks, every fix at ``fixes``."""
-    return check._world(cfg, phase, ckpt_dir, check.MODES[fixes], "cpu", 240.0)
+    return check.run_phase(cfg, phase, ckpt_dir, check.MODES[fixes], "cpu", 240.0)
 
 
 def save(cfg, out_dir, fixes) -> dict:

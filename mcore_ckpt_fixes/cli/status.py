@@ -34,7 +34,7 @@ WIDTH = 100  # columns of the text output; --json keeps every reason whole
 MAX_LINES = 4  # lines of one reason in the text output
 
 
-def _wrapped(reason: str, indent: int) -> list:
+def wrap_reason(reason: str, indent: int) -> list:
     """``reason`` in lines that fit WIDTH after ``indent`` columns, at most MAX_LINES of them. Words
     stay whole (a dotted module path or a fix id longer than the column overruns it rather than
     being cut mid-name, which a reader cannot search for)."""
@@ -62,7 +62,7 @@ def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> 
     width = max(len(r["id"]) for r in rows)
     indent = 2 + width + 2 + 14 + 2  # where a reason starts; its next lines start there too
     for r in rows:
-        first, *rest = _wrapped(r["reason"], indent)
+        first, *rest = wrap_reason(r["reason"], indent)
         print(f"  {r['id']:<{width}}  {r['state']:<14}  {first}")
         for line in rest:
             print(" " * indent + line)

@@ -78,10 +78,10 @@ def read_metadata(path: str, report) -> "dcp_scan.Index":
             report.bytes_read += read + f.tell()
     if not hasattr(md, "state_dict_metadata") or not isinstance(getattr(md, "state_dict_metadata"), dict):
         raise Unreadable(f"{path} is not torch.distributed.checkpoint metadata (no state_dict_metadata)")
-    return _compact(md)
+    return index_from_unpickled(md)
 
 
-def _compact(md) -> "dcp_scan.Index":
+def index_from_unpickled(md) -> "dcp_scan.Index":
     """The Index of metadata read by the allow-list unpickler (stand-in objects)."""
     sdm = {}
     for fqn, meta in md.state_dict_metadata.items():
@@ -222,7 +222,7 @@ def _format(report, cfg, has_cfg: bool, has_common: bool, sdm, keys: List[str], 
         verdict.none(f"no {CONFIG}")
     else:
         fsdp = any(_FSDP_RNG.search(k) for k in keys) or any(
-            experts._GROUPED.match(k) for k in keys if ".experts." in k
+            experts.GROUPED_KEY.match(k) for k in keys if ".experts." in k
         )
         report["format"] = "fsdp_dtensor" if fsdp else "torch_dcp"
         report["format_reason"] = (

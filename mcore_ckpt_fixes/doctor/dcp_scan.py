@@ -34,7 +34,7 @@ from operator import add, eq, itemgetter, mul, rshift
 from typing import Dict, List, Optional, Tuple
 
 from . import safe_pickle
-from .dcp_scan_ops import OPS, Fallback, _Rec
+from .dcp_scan_ops import OPS, DcpRecord, Fallback
 
 
 class TensorMeta:
@@ -103,7 +103,7 @@ def _values(fields) -> list:
     return list(map(rshift, map(int.from_bytes, fields, repeat("little")), ops.translate(_SHIFT)))
 
 
-def _strings_exact(fields) -> bool:
+def strings_exact(fields) -> bool:
     """Each string field as matched (``\\x8c``, length, bytes up to the first 0x94 = MEMOIZE) is exactly
     as long as its length byte says. Otherwise the expression cut the opcodes differently from an
     unpickler (a name holding a 0x94 byte, or opcodes hidden behind a string with no MEMOIZE after
@@ -129,7 +129,7 @@ def read(f) -> Index:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Machine(_unframe(f)).run()
+        return OpcodeMachine(unframe(f)).run()
     except safe_pickle.UnsafeGlobal as exc:
         # The allow-list unpickler decides: a global this machine reached by a wrong turn must not
         # become a finding.
@@ -139,7 +139,7 @@ def read(f) -> Index:
             gc.enable()
 
 
-def _unframe(f) -> bytearray:
+def unframe(f) -> bytearray:
     """The opcodes of a protocol 4/5 pickle without its FRAME headers, in one buffer."""
     head = f.read(2)
     if len(head) < 2 or head[0] != 0x80 or head[1] not in (4, 5):
@@ -171,7 +171,7 @@ def _unframe(f) -> bytearray:
     return buf
 
 
-class _Machine:
+class OpcodeMachine:
     def __init__(self, buf: bytearray):
         self.buf = buf
         self.memo: Dict[int, object] = {}
@@ -216,7 +216,7 @@ class _Machine:
                 state = {"offsets": boxes[k][0], "sizes": boxes[k][1]}
                 if slot == 1:
                     return state
-                rec = _Rec("ChunkStorageMetadata")
+                rec = DcpRecord("ChunkStorageMetadata")
                 rec.state = state
                 return rec
         i = bisect_right(self.path_run_starts, idx) - 1
@@ -262,13 +262,13 @@ class _Machine:
         if issubclass(cls, safe_pickle.FastStub):
             if args:
                 raise Fallback("NEWOBJ with arguments")
-            return _Rec(cls._name.rsplit(".", 1)[1])
+            return DcpRecord(cls._name.rsplit(".", 1)[1])
         if issubclass(cls, safe_pickle.Stub):
             return cls.__new__(cls, *args)
         raise Fallback("NEWOBJ of a non-stub")
 
     # -- learning the spellings of the repeated units -----------------------------------------------
-    def _learn(self, rec: _Rec) -> None:
+    def _learn(self, rec: DcpRecord) -> None:
         st = rec.state
         if type(st) is not dict:
             return
@@ -382,12 +382,12 @@ class _Machine:
         # MetadataIndex: NEWOBJ, state, its fqn when spelled out, its torch.Size when built here (3);
         # _StorageInfo: NEWOBJ, state, its relative path when spelled out: the memo entries of a unit.
         inline_fqns = [f for f in fqns if f]
-        if not _strings_exact(inline_fqns):
+        if not strings_exact(inline_fqns):
             raise Fallback("string length")
         memo_idx = self.next_memo + 4 * n + len(inline_fqns) + 3 * (n - built.count(b""))
         spelled = bytes(map(itemgetter(0), rels)).translate(_IS_STR)
         if 1 in spelled:
-            if not _strings_exact(list(compress(rels, spelled))):
+            if not strings_exact(list(compress(rels, spelled))):
                 raise Fallback("string length")
             self._spelled_paths(self.next_memo, fqns, built, rels, spelled)
             memo_idx += spelled.count(1)
@@ -446,7 +446,7 @@ class _Machine:
             return 0
         found = unit_re.findall(buf, pos, m.end())
         groups = list(zip(*found))
-        if not _strings_exact([f for f in groups[0] if f]):
+        if not strings_exact([f for f in groups[0] if f]):
             raise Fallback("string length")
         n = len(found)
         # WriteItem, MetadataIndex, TensorWriteData: NEWOBJ and state each (6); the fqn spelled out (1);
@@ -543,17 +543,17 @@ class _Machine:
 
     # -- the result ---------------------------------------------------------------------------
     def _finish(self, top) -> Index:
-        if type(top) is not _Rec or top.name != "Metadata" or type(top.state) is not dict:
+        if type(top) is not DcpRecord or top.name != "Metadata" or type(top.state) is not dict:
             raise Fallback("not a Metadata")
         sdm_in = top.state.get("state_dict_metadata")
         if type(sdm_in) is not dict:
             raise Fallback("no state_dict_metadata")
         sdm = {}
         for fqn, meta in sdm_in.items():
-            if type(meta) is _Rec and meta.name == "BytesStorageMetadata":  # no fields: no state
+            if type(meta) is DcpRecord and meta.name == "BytesStorageMetadata":  # no fields: no state
                 sdm[fqn] = BytesMeta()
                 continue
-            if type(meta) is not _Rec or type(meta.state) is not dict:
+            if type(meta) is not DcpRecord or type(meta.state) is not dict:
                 raise Fallback("state_dict_metadata entry")
             st = meta.state
             chunks = st.get("chunks")
@@ -562,7 +562,7 @@ class _Machine:
                 raise Fallback("tensor entry")
             for i, c in enumerate(chunks):
                 if type(c) is not tuple:
-                    if type(c) is not _Rec or type(c.state) is not dict:
+                    if type(c) is not DcpRecord or type(c.state) is not dict:
                         raise Fallback("chunk entry")
                     chunks[i] = (c.state["offsets"], c.state["sizes"])
             sdm[fqn] = TensorMeta(size, chunks)
@@ -581,7 +581,7 @@ class _Machine:
         if type(storage) is not dict:
             raise Fallback("storage_data")
         for key, info in storage.items():  # the entries the hot runs did not take
-            if type(key) is not _Rec or type(info) is not _Rec:
+            if type(key) is not DcpRecord or type(info) is not DcpRecord:
                 raise Fallback("storage entry")
             ks, st = key.state, info.state
             rel, offset, length = st.get("relative_path"), st.get("offset", 0), st.get("length", 0)
@@ -595,7 +595,7 @@ class _Machine:
 
 
 _HOT_RUNS = {  # class (as safe_pickle names its stand-in) -> the matcher of its repeated units
-    _DCP_MD + "ChunkStorageMetadata": _Machine._chunk_run,
-    _DCP_MD + "MetadataIndex": _Machine._storage_run,
-    _DCP_PLANNER + "WriteItem": _Machine._write_item_run,
+    _DCP_MD + "ChunkStorageMetadata": OpcodeMachine._chunk_run,
+    _DCP_MD + "MetadataIndex": OpcodeMachine._storage_run,
+    _DCP_PLANNER + "WriteItem": OpcodeMachine._write_item_run,
 }

@@ -16,7 +16,7 @@ class Fallback(Exception):
     """This file is outside what the stream reader handles: use the allow-list unpickler."""
 
 
-class _Rec:
+class DcpRecord:
     """A DCP dataclass read by the machine: its class name and pickled state."""
 
     __slots__ = ("name", "state")
@@ -27,7 +27,7 @@ class _Rec:
 
 # -- the opcodes -------------------------------------------------------------------------------------
 # A handler takes (machine, buffer, position after the opcode, stack, marks) and returns where the
-# next opcode starts. STOP has none: the machine's loop ends there (dcp_scan._Machine.run).
+# next opcode starts. STOP has none: the machine's loop ends there (dcp_scan.OpcodeMachine.run).
 
 
 def _unknown(m, buf, pos, stack, marks):
@@ -253,7 +253,7 @@ def _newobj(m, buf, pos, stack, marks):
 def _build(m, buf, pos, stack, marks):
     state = stack.pop()
     inst = stack[-1]
-    if type(inst) is _Rec:
+    if type(inst) is DcpRecord:
         inst.state = state
         m._learn(inst)
         return pos

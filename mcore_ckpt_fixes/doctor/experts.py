@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Set, Tuple
 # One tensor of a rank's experts per GEMM, dim 0 the expert (moe_single_grouped_weight / _bias, 0.18+).
 _SINGLE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>linear_fc\d\.(?:weight|bias))(?P<suffix>(?:\.\D.*)?)$")
 _SEQUENTIAL = re.compile(r"^(?P<prefix>.*\.experts)\.local_experts\.(?P<idx>\d+)\.(?P<param>.+)$")
-_GROUPED = re.compile(
+GROUPED_KEY = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<param>(?:[\w]+\.)*?(?:weight|bias))(?P<idx>\d+)(?P<suffix>(?:\..+)?)$"
 )
 
@@ -33,7 +33,7 @@ def _parse(fqn: str):
     m = _SEQUENTIAL.match(fqn)
     if m:
         return m.group("prefix"), m.group("param"), int(m.group("idx")), "local_experts.{i}." + m.group("param")
-    m = _GROUPED.match(fqn)
+    m = GROUPED_KEY.match(fqn)
     if m:
         param = m.group("param") + m.group("suffix")
         return m.group("prefix"), param, int(m.group("idx")), m.group("param") + "{i}" + m.group("suffix")

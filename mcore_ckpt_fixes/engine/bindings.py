@@ -55,7 +55,7 @@ def note(module, name, function) -> None:
         _WHERE.setdefault(id(function), set()).add((id(module), name))
 
 
-def _walk(module, namespace) -> None:
+def index_module(module, namespace) -> None:
     key = id(module)
     _MODULES[key] = module
     # A module's own functions are most of its globals and are found by walking the one module
@@ -114,7 +114,7 @@ def holders(function):
         namespace = module.__dict__
         trusted = _TRUSTED.get(id(module))
         if trusted is None or trusted[0] is not namespace or trusted[1] != len(namespace):
-            _walk(module, namespace)
+            index_module(module, namespace)
     position = _SEEN["position"]
     found = {
         (position[key], name, key)

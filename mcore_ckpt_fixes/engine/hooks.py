@@ -16,7 +16,7 @@ _LOCK = threading.RLock()
 # Imports of these packages are tracked (depth below), so that work which cannot run while one of
 # their modules is half-initialised (a probe that builds a Megatron module whose import is still
 # running higher up the stack) waits until the outermost such import has finished.
-_TRACKED = ("megatron",)
+TRACKED_PACKAGES = ("megatron",)
 _DEPTH = threading.local()
 _SETTLED = []  # callbacks waiting for the tracked imports of this thread to finish
 
@@ -110,7 +110,7 @@ class _Loader:
 
 class _Finder:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _HOOKS and fullname.partition(".")[0] not in _TRACKED:
+        if fullname not in _HOOKS and fullname.partition(".")[0] not in TRACKED_PACKAGES:
             return None
         for finder in list(sys.meta_path):  # the finders that would have found it without us
             if finder is self or not hasattr(finder, "find_spec"):

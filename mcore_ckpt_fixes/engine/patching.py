@@ -25,7 +25,7 @@ import importlib
 import sys
 import types
 
-_MISSING = object()
+MISSING = object()
 MARK = "__mcore_ckpt_fix__"
 
 # (owner, attribute name) -> the object found there before the first patch.
@@ -68,8 +68,8 @@ def original(owner, name: str):
         return _ORIGINALS[_key(owner, name)]
     except KeyError:
         pass
-    current = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    if current is _MISSING:
+    current = owner.__dict__.get(name, MISSING) if hasattr(owner, "__dict__") else MISSING
+    if current is MISSING:
         current = getattr(owner, name)
     if is_replacement(current):
         raise RuntimeError(f"mcore_ckpt_fixes: original of {owner!r}.{name} was not recorded")
@@ -122,7 +122,7 @@ class _Stack:
     __slots__ = ("base", "layers")
 
     def __init__(self, base):
-        self.base = base  # _MISSING when the attribute was only inherited
+        self.base = base  # MISSING when the attribute was only inherited
         self.layers = []
 
     def copy(self):
@@ -140,14 +140,14 @@ class _Record:
     def __init__(self, owner, name, before, after):
         self.owner = owner
         self.name = name
-        self.before = before  # the release's object there (_MISSING when it was only inherited)
+        self.before = before  # the release's object there (MISSING when it was only inherited)
         self.after = after  # this fix's layer
 
 
 def _set(owner, name: str, value) -> None:
     from .bindings import note
 
-    if value is _MISSING:
+    if value is MISSING:
         try:
             delattr(owner, name)
         except AttributeError:
@@ -186,15 +186,15 @@ class Patcher:
             stack.layers = [layer for layer in stack.layers if layer.fix_id != self.fix_id]  # ours goes on next
             _OWNERS[id(owner)] = owner
             return stack
-        if current is not _MISSING and is_replacement(current):
+        if current is not MISSING and is_replacement(current):
             raise ReplacementConflict(
                 f"{_where(owner, name)} holds {getattr(current, MARK)}'s replacement, which no layer here put "
                 f"there; {self.fix_id} cannot layer on it"
             )
-        if current is _MISSING and not hasattr(owner, name):
+        if current is MISSING and not hasattr(owner, name):
             raise AttributeError(f"{getattr(owner, '__name__', owner)} has no attribute {name!r}")
         if key not in _ORIGINALS:
-            _ORIGINALS[key] = current if current is not _MISSING else getattr(owner, name)
+            _ORIGINALS[key] = current if current is not MISSING else getattr(owner, name)
             _OWNERS[id(owner)] = owner
         stack = _STACKS[key] = _Stack(current)
         return stack
@@ -205,7 +205,7 @@ class Patcher:
         name``), already replaced: its layers, ours included, may be what ``owner.name`` took."""
         if bound_from is not None and like is None:
             like = _STACKS.get(_key(*bound_from))
-        current = owner.__dict__.get(name, _MISSING)
+        current = owner.__dict__.get(name, MISSING)
         stack = self._stack(owner, name, current, like)
         if any(layer.fix_id == self.fix_id or layer.value is new for layer in stack.layers):
             return  # already in place (ours, or a replacement several fixes share): one layer only
@@ -219,11 +219,11 @@ class Patcher:
 
     def replace_function(self, module, name: str, new) -> None:
         """Replace a module-level function and every ``from module import name`` binding of it."""
-        held = module.__dict__.get(name, _MISSING)
+        held = module.__dict__.get(name, MISSING)
         layers = _STACKS.get(_key(module, name))
         like = layers.copy() if layers is not None else None  # as they were before ours, as its bindings hold them
         self.replace(module, name, new)
-        if held is not _MISSING:
+        if held is not MISSING:
             self.rebind(held, new, skip=module, like=like)
 
     def rebind(self, old, new, skip=None, like=None) -> None:
@@ -244,7 +244,7 @@ class Patcher:
         False for a part of the fix's changes only."""
         restore = {}
         for rec in reversed(self.records):
-            current = rec.owner.__dict__.get(rec.name, _MISSING)
+            current = rec.owner.__dict__.get(rec.name, MISSING)
             stack = _STACKS.get(_key(rec.owner, rec.name))
             if stack is None or stack.top() is not current or not self._take_out(rec.owner, rec.name, stack, restore):
                 if current is rec.after:  # set outside the engine to our layer: put the release's back
@@ -253,7 +253,7 @@ class Patcher:
         if whole:
             for key, stack in list(_STACKS.items()):
                 owner = _OWNERS.get(key[0])
-                if owner is not None and stack.top() is owner.__dict__.get(key[1], _MISSING):
+                if owner is not None and stack.top() is owner.__dict__.get(key[1], MISSING):
                     self._take_out(owner, key[1], stack, restore)
         if sweep:
             unbind_late_imports(restore)
@@ -271,7 +271,7 @@ class Patcher:
             del _STACKS[_key(owner, name)]
         if was_top:
             _set(owner, name, now)
-        if is_replacement(layer.value) and now is not _MISSING:
+        if is_replacement(layer.value) and now is not MISSING:
             restore[id(layer.value)] = (layer.value, now)  # a global that bound our layer: what is there now
         return True
 

@@ -69,7 +69,7 @@ def _peer_lost(error) -> bool:
     return bool(last) and ("Connection closed by peer" in last[0] or "Connection reset by peer" in last[0])
 
 
-def _world(cfg, phase, ckpt_dir, env, device, timeout):
+def run_phase(cfg, phase, ckpt_dir, env, device, timeout):
     kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
     # On a GPU: forked where a fork can still use the GPU, else fresh interpreters (gloo still, so
     # that several ranks may share one GPU).
@@ -83,14 +83,14 @@ def _world(cfg, phase, ckpt_dir, env, device, timeout):
     return [r.value for r in results], None, None
 
 
-def _verdict(uninterrupted, values) -> dict:
+def verdict_against(uninterrupted, values) -> dict:
     from .compare import rank_verdict
 
     ranks = [rank_verdict(a, c) for a, c in zip(uninterrupted, values)]
     return {"verdict": "exact" if all(r["exact"] for r in ranks) else "inexact", "ranks": ranks}
 
 
-def _ways(values):
+def per_way(values):
     """Run C's results per way of resuming (``cfg.resume_args``), each a list over the ranks."""
     return [list(way) for way in zip(*(v["ways"] for v in values))]
 
@@ -121,29 +121,29 @@ def _overall(ways) -> str:
 def _judged(cfg, uninterrupted, values) -> dict:
     """Run C against the release's own run A: one verdict, or one per way of resuming."""
     if not cfg.resume_args:
-        return _verdict(uninterrupted, values)
+        return verdict_against(uninterrupted, values)
     ways = []
-    for args, ranks in zip(cfg.resume_args, _ways(values)):
-        ways.append({"args": list(args), **(_failed(ranks) or _verdict(uninterrupted, ranks))})
+    for args, ranks in zip(cfg.resume_args, per_way(values)):
+        ways.append({"args": list(args), **(_failed(ranks) or verdict_against(uninterrupted, ranks))})
     return {"verdict": _overall(ways), "ways": ways}
 
 
-def _ckpt_prefix(cfg, mode) -> str:
+def ckpt_prefix(cfg, mode) -> str:
     return f"mcore-ckpt-fixes-resume-{cfg.name}-{mode}-"
 
 
 def _mode(cfg, mode, uninterrupted, device, timeout):
     """B then C with this mode's flags, C compared with A; with the fixes on also B with A
     (``unchanged``). Returns that and C's values (None where a world failed)."""
-    ckpt_dir = tempfile.mkdtemp(prefix=_ckpt_prefix(cfg, mode))
+    ckpt_dir = tempfile.mkdtemp(prefix=ckpt_prefix(cfg, mode))
     out = {}
     try:
         for phase in ("save", "resume"):
-            values, error, detail = _world(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
+            values, error, detail = run_phase(cfg, phase, ckpt_dir, mode_env(cfg, mode), device, timeout)
             if error:
                 return {"verdict": "error", "error": error, "detail": detail, **out}, None
             if phase == "save" and mode == "on":
-                out["unchanged"] = _verdict(uninterrupted, values)
+                out["unchanged"] = verdict_against(uninterrupted, values)
         return {**_judged(cfg, uninterrupted, values), **out}, values
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -155,13 +155,13 @@ def _same_error(cfg, fixed, release) -> bool:
 
     def unplaced(text):
         for mode in ("on", "off"):
-            text = re.sub(re.escape(_ckpt_prefix(cfg, mode)) + r"\w+", "<checkpoint>", text)
+            text = re.sub(re.escape(ckpt_prefix(cfg, mode)) + r"\w+", "<checkpoint>", text)
         return text
 
     return unplaced(repr(fixed)) == unplaced(repr(release))
 
 
-def _same_as_release(cfg, fixed_ranks, release_ranks) -> dict:
+def same_as_release(cfg, fixed_ranks, release_ranks) -> dict:
     """One resume with the fixes against the same resume without them, rank by rank: the same
     bits (every loss, parameter, optimizer tensor and scalar, RNG stream, and the iteration
     ``load_checkpoint`` returned), or the same error on the same ranks."""
@@ -192,10 +192,10 @@ def _against_release(cfg, on, on_values, off, off_values) -> dict:
         }
         return {**shown, "verdict": "as-release" if both else "differs", "same": "error" if both else None, **kept}
     if not cfg.resume_args:
-        return {**_same_as_release(cfg, on_values, off_values), **kept}
+        return {**same_as_release(cfg, on_values, off_values), **kept}
     ways = [
-        {"args": list(args), **_same_as_release(cfg, fixed, release)}
-        for args, fixed, release in zip(cfg.resume_args, _ways(on_values), _ways(off_values))
+        {"args": list(args), **same_as_release(cfg, fixed, release)}
+        for args, fixed, release in zip(cfg.resume_args, per_way(on_values), per_way(off_values))
     ]
     return {"verdict": _overall(ways), "ways": ways, **kept}
 
@@ -248,7 +248,7 @@ def check(cfg, device="cpu", modes=("on", "off"), timeout=240.0) -> dict:
         return out
     out.update({"needed_here": needed_here(cfg), "steps": STEPS, "resume_at": RESUME_AT})
     # The release's own run: what the import must not change, and what every resume must reach.
-    uninterrupted, error, detail = _world(cfg, "uninterrupted", tempfile.gettempdir(), MODES["off"], device, timeout)
+    uninterrupted, error, detail = run_phase(cfg, "uninterrupted", tempfile.gettempdir(), MODES["off"], device, timeout)
     if error:
         out.update({m: {"verdict": "error", "error": error, "detail": detail} for m in modes})
         return out

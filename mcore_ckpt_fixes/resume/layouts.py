@@ -151,7 +151,7 @@ def compare(saved_root: str, loaded_root: str) -> dict:
 
 
 def _world(cfg, phase, ckpt_dir, mode, device, timeout):
-    return check._world(cfg, phase, ckpt_dir, check.MODES[mode], device, timeout)
+    return check.run_phase(cfg, phase, ckpt_dir, check.MODES[mode], device, timeout)
 
 
 def _one_mode(change, mode, device, timeout) -> dict:

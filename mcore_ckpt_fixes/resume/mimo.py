@@ -69,7 +69,7 @@ def _build(layout, steps):
     model = rt.module_model(layout, distributed=True)
     with torch.no_grad():  # the round trips' modules start at zero; a trained model does not
         for pname, p in model.module.named_parameters():
-            p.copy_(0.3 * rt._values(SEED, layout.module, layout.tp_rank, "init", pname, shape=p.shape))
+            p.copy_(0.3 * rt.seeded_values(SEED, layout.module, layout.tp_rank, "init", pname, shape=p.shape))
     config = OptimizerConfig(
         optimizer="adam",
         lr=0.01,
@@ -84,7 +84,7 @@ def _build(layout, steps):
     opt = get_megatron_optimizer(config, [model], pg_collection=layout.pgs, use_gloo_process_groups=False)
     mimo = rt.mimo_optimizer(layout, opt, config)
     scheduler = OptimizerParamScheduler(mimo, 0.0, 0.01, 0.001, 1, steps, "cosine", 0.01, 0.01, steps, "constant")
-    return rt._Built(mimo, model, layout, opt), scheduler
+    return rt.BuiltOptimizer(mimo, model, layout, opt), scheduler
 
 
 def _forward(tower, tokens, labels):
@@ -163,7 +163,7 @@ class _Checkpoint:
     def load_state_dict(self, loaded):
         # DDP's sharded state dict names the wrapped module's entries "module.<name>"; its
         # load_state_dict hands the dict to the wrapped module, which knows them as "<name>".
-        prefix = _mimo()._PREFIX[self.built.layout.module] + "module."
+        prefix = _mimo().MODEL_PREFIX[self.built.layout.module] + "module."
         assert all(k.startswith(prefix) for k in loaded["model"]), sorted(loaded["model"])
         self.built.model.load_state_dict({k[len(prefix) :]: v for k, v in loaded["model"].items()}, strict=True)
         self.built.mimo.load_state_dict(loaded["optimizer"])
@@ -174,7 +174,7 @@ class _Checkpoint:
 
 def _checkpointed(built, scheduler, iteration):
     rt = _mimo()
-    return rt._Built(_Checkpoint(built, scheduler, iteration), built.model, built.layout, built.opt)
+    return rt.BuiltOptimizer(_Checkpoint(built, scheduler, iteration), built.model, built.layout, built.opt)
 
 
 def _collective(fn, *args):
@@ -200,7 +200,7 @@ def snapshot(built, scheduler):
 
 def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
     rt = _mimo()
-    layout = rt._Layout()
+    layout = rt.RankLayout()
     _seed(layout)
     built, scheduler = _build(layout, steps)
     coords = {"rank": dist.get_rank(), "module": layout.module, "tp": layout.tp_rank, "ep": 0, "dp": 0}
@@ -213,11 +213,11 @@ def _run_phase(phase, ckpt_dir, steps, resume_at, cpu_gen):
         out["losses"] = train(1, steps)
     elif phase == "save":
         out["losses"] = train(1, resume_at)
-        _collective(rt._save, _checkpointed(built, scheduler, resume_at), ckpt_dir, SHARDING_TYPE)
+        _collective(rt.save_built, _checkpointed(built, scheduler, resume_at), ckpt_dir, SHARDING_TYPE)
         out["losses"].update(train(resume_at + 1, steps))  # the run goes on after its save (job.py)
     else:
         ckpt = _checkpointed(built, scheduler, None)
-        _, out["load_warnings"] = _collective(rt._load, ckpt, ckpt_dir, SHARDING_TYPE)
+        _, out["load_warnings"] = _collective(rt.load_built, ckpt, ckpt_dir, SHARDING_TYPE)
         iteration = ckpt.mimo.iteration
         assert iteration == resume_at, f"the checkpoint holds iteration {iteration}, saved {resume_at}"
         out["losses"] = train(resume_at + 1, steps)

@@ -69,7 +69,7 @@ def cuda_to_cpu_mode():
     return CudaToCpu()
 
 
-class _NoStream:
+class NoStream:
     """What ``torch.cuda.current_stream()`` hands back on a CPU run: CPU work is ordered already."""
 
     def wait_event(self, event):
@@ -97,10 +97,10 @@ def cpu_streams():
     @contextlib.contextmanager
     def swapped():
         saved = torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Stream
-        torch.cuda.current_stream = lambda device=None: _NoStream()
+        torch.cuda.current_stream = lambda device=None: NoStream()
         torch.cuda.stream = lambda stream: contextlib.nullcontext()
         # megatron.training's get_model wraps its chunks in DDP on a stream of their own.
-        torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+        torch.cuda.Stream = lambda *args, **kwargs: NoStream()
         try:
             yield
         finally:

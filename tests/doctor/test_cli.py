@@ -71,7 +71,7 @@ def test_doctor_imports_only_on_inspect():
     assert out.stdout.strip() == "[]"
 
 
-def _tree_state(root):
+def tree_state(root):
     """Every file and directory under ``root`` with its size, mtime and bytes: what a read-only
     command must leave exactly as it found it."""
     state = {}
@@ -97,11 +97,11 @@ def test_inspect_modifies_nothing(saved, copy_of, tmp_path):
         (damaged, []),
         (legacy, ["--tp", "2", "--pp", "2"]),
     ):
-        before = _tree_state(root)
+        before = tree_state(root)
         for fmt in ([], ["--json"]):
             proc = run_cli(["inspect", root, *extra, *fmt])
             assert proc.returncode in (0, 1, 2), proc.stderr
-        assert _tree_state(root) == before, root
+        assert tree_state(root) == before, root
 
 
 def test_saved_ep_flags_old_rng_layout_without_flags(saved):
@@ -141,9 +141,9 @@ def test_damaged_and_unsafe_copies_exit_1_and_stay_unchanged(saved, copy_of, tmp
         (empty_common, "damaged-file"),
         (planted_index, "unsafe-pickle"),
     ):
-        before = _tree_state(root)
+        before = tree_state(root)
         for fmt in ([], ["--json"]):
             proc = run_cli(["inspect", root, "--ep", "1", *fmt])
             assert proc.returncode == 1 and code in proc.stdout and proc.stderr == "", (root, proc.stdout, proc.stderr)
-        assert _tree_state(root) == before, root
+        assert tree_state(root) == before, root
     assert not marker.exists()

@@ -16,7 +16,7 @@ from ckpt_makers import save_legacy
 from conftest import run_cli
 from doctor_fixtures import copy_of, iter_dir, saved  # noqa: F401  (fixtures)
 from mcore_ckpt_fixes.doctor import inspect
-from test_cli import _tree_state
+from test_cli import tree_state
 
 
 def codes(r):
@@ -43,14 +43,14 @@ def test_legacy_rank_file_cut(legacy_root, tmp_path, rank, how):
     shutil.copytree(legacy_root, root)
     rel = f"{rank}/model_optim_rng.pt"
     _cut(os.path.join(iter_dir(root), rel), how)
-    before = _tree_state(root)
+    before = tree_state(root)
     r = inspect(root)
     assert codes(r) == ["damaged-file"] and r.problems[0]["file"] == rel, r.problems
     msg = r.problems[0]["message"]
     assert msg.startswith(f"{rel}: ") and ("empty (0 bytes)" in msg if how == "empty" else "cut short" in msg), msg
     proc = run_cli(["inspect", root])
     assert proc.returncode == 1 and f"[damaged-file] {rel}: " in proc.stdout, proc.stdout + proc.stderr
-    assert _tree_state(root) == before
+    assert tree_state(root) == before
 
 
 def test_legacy_old_format_stream_cut(tmp_path):
@@ -93,14 +93,14 @@ def test_empty_common_pt(saved, copy_of):
     """0.16-0.18 require common.pt, 0.19 reads it when present: an empty one fails every load (EOFError)."""
     root = copy_of(saved["torch_dist"])
     open(os.path.join(iter_dir(root), "common.pt"), "wb").close()
-    before = _tree_state(root)
+    before = tree_state(root)
     r = inspect(root, ep=1)
     assert codes(r) == ["damaged-file"] and r.problems[0]["file"] == "common.pt", r.problems
     assert "empty (0 bytes): torch.load fails with EOFError" in r.problems[0]["message"]
     assert r["readable_by"] == []
     proc = run_cli(["inspect", root, "--ep", "1"])
     assert proc.returncode == 1 and "[damaged-file] common.pt: empty (0 bytes)" in proc.stdout
-    assert _tree_state(root) == before
+    assert tree_state(root) == before
 
 
 def test_distcp_that_cannot_be_opened(saved, copy_of, monkeypatch):

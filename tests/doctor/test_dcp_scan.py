@@ -23,9 +23,9 @@ def _norm(ix):
 
 
 def _both(data: bytes):
-    machine = dcp_scan._Machine(dcp_scan._unframe(io.BytesIO(data)))
+    machine = dcp_scan.OpcodeMachine(dcp_scan.unframe(io.BytesIO(data)))
     fast = machine.run()
-    slow = dcp._compact(safe_pickle.load(io.BytesIO(data)))
+    slow = dcp.index_from_unpickled(safe_pickle.load(io.BytesIO(data)))
     assert _norm(fast) == _norm(slow)
     return machine, fast
 
@@ -154,7 +154,7 @@ def test_hot_runs_on_a_large_index():
 
 def test_names_holding_the_memoize_byte(tmp_path):
     """U+0514 is D4 94 in UTF-8: 0x94 (MEMOIZE) inside a name. Either way, the same index, and
-    _strings_exact refuses a cut that disagrees with the length byte."""
+    strings_exact refuses a cut that disagrees with the length byte."""
     data = _metadata(name="\u0514", local_plans=True, spelled_paths=True)
     path = tmp_path / ".metadata"
     path.write_bytes(data)
@@ -163,21 +163,21 @@ def test_names_holding_the_memoize_byte(tmp_path):
         bytes_read = 0
 
     r = R()
-    assert _norm(dcp.read_metadata(str(path), r)) == _norm(dcp._compact(safe_pickle.load(io.BytesIO(data))))
+    assert _norm(dcp.read_metadata(str(path), r)) == _norm(dcp.index_from_unpickled(safe_pickle.load(io.BytesIO(data))))
     assert r.bytes_read >= len(data)
-    assert dcp_scan._strings_exact([b"\x8c\x02ab\x94"]) and not dcp_scan._strings_exact([b"\x8c\x05ab\x94"])
-    assert not dcp_scan._strings_exact([b"\x8c\x01ab\x94"])  # opcodes swallowed behind a string
+    assert dcp_scan.strings_exact([b"\x8c\x02ab\x94"]) and not dcp_scan.strings_exact([b"\x8c\x05ab\x94"])
+    assert not dcp_scan.strings_exact([b"\x8c\x01ab\x94"])  # opcodes swallowed behind a string
 
 
 def test_protocol_2_falls_back():
     with pytest.raises(dcp_scan.Fallback):
-        dcp_scan._Machine(dcp_scan._unframe(io.BytesIO(_metadata(protocol=2)))).run()
+        dcp_scan.OpcodeMachine(dcp_scan.unframe(io.BytesIO(_metadata(protocol=2)))).run()
 
 
 def test_cut_file_is_not_an_index():
     data = _metadata()
     with pytest.raises((EOFError, dcp_scan.Fallback, ValueError, IndexError)):
-        dcp_scan._Machine(dcp_scan._unframe(io.BytesIO(data[: len(data) // 2]))).run()
+        dcp_scan.OpcodeMachine(dcp_scan.unframe(io.BytesIO(data[: len(data) // 2]))).run()
 
 
 def test_saved_checkpoints_read_the_fast_way(saved):

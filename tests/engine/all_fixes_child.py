@@ -7,7 +7,7 @@ import json
 if __name__ == "__main__":
     import mcore_ckpt_fixes
     from mcore_ckpt_fixes.cli.status import import_targets
-    from mcore_ckpt_fixes.engine.patching import _MISSING, is_replacement
+    from mcore_ckpt_fixes.engine.patching import MISSING, is_replacement
     from mcore_ckpt_fixes.engine.registry import ENGINE
 
     import_targets()
@@ -17,7 +17,7 @@ if __name__ == "__main__":
     left = []
     for fix_id, recs in records.items():
         for rec in recs:
-            now = rec.owner.__dict__.get(rec.name, _MISSING)
+            now = rec.owner.__dict__.get(rec.name, MISSING)
             if now is not rec.before or is_replacement(now):
                 left.append(f"{fix_id}: {getattr(rec.owner, '__name__', rec.owner)}.{rec.name}")
     out = {

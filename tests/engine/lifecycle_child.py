@@ -71,7 +71,7 @@ def state(fix_id):
 def megatron_first(fix_id):
     """Megatron (and a user module's ``from x import f``) first; the fix off, then on, twice, after a
     reload; every change a marked replacement in place, one layer, picklable; revert exact."""
-    from mcore_ckpt_fixes.engine.patching import _MISSING as INHERITED
+    from mcore_ckpt_fixes.engine.patching import MISSING as INHERITED
     from mcore_ckpt_fixes.engine.patching import is_replacement, original
 
     _stand_ins()

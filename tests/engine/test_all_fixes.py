@@ -12,14 +12,14 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, _child_env
+from conftest import ROOT, child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(code_or_file, env=None):
     cmd = [sys.executable, code_or_file] if code_or_file.endswith(".py") else [sys.executable, "-c", code_or_file]
-    proc = subprocess.run(cmd, env=_child_env([ROOT, HERE], env), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=child_env([ROOT, HERE], env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

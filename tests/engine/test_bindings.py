@@ -42,8 +42,8 @@ def test_holders_finds_every_binding_and_looks_only_where_one_can_be(tmp_path):
             import after
             from defs import f as in_main
             walked = []
-            real_walk = bindings._walk
-            bindings._walk = lambda module, namespace: (walked.append(module.__name__), real_walk(module, namespace))
+            real_walk = bindings.index_module
+            bindings.index_module = lambda module, namespace: (walked.append(module.__name__), real_walk(module, namespace))
             found = sorted(f"{m.__name__}.{n}" for m, n in bindings.holders(sys.modules["defs"].f))
             print(found)
             print("before" in walked, "chain" in walked, "after" in walked)

@@ -210,7 +210,7 @@ from mcore_ckpt_fixes.engine import hooks
 from mcore_ckpt_fixes.engine.fix import Fix, Target
 from mcore_ckpt_fixes.engine.patching import mark
 from mcore_ckpt_fixes.engine.registry import ENGINE
-hooks._TRACKED = hooks._TRACKED + ("chainpkg",)
+hooks.TRACKED_PACKAGES = hooks.TRACKED_PACKAGES + ("chainpkg",)
 
 @mark("chain-probe")
 def fixed():

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TESTS, _child_env
+from conftest import ROOT, TESTS, child_env
 from mcore_ckpt_fixes.engine.flags import env_var_for
 from mcore_ckpt_fixes.engine.registry import ENGINE
 
@@ -33,7 +33,7 @@ CHILD = os.path.join(TESTS, "engine", "lifecycle_child.py")
 
 
 def _child(mode, fix_ids, env):
-    full_env = _child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
+    full_env = child_env([ROOT, TESTS, os.path.join(TESTS, "engine")], env)
     proc = subprocess.run(
         [sys.executable, CHILD, mode, ",".join(fix_ids)], env=full_env, capture_output=True, text=True, timeout=600
     )

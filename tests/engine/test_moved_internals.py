@@ -88,9 +88,9 @@ def test_engine_leaves_code_alone_when_a_probe_raises():
     import subprocess
     import sys
 
-    from conftest import _child_env
+    from conftest import child_env
 
-    env = _child_env([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))], None)
+    env = child_env([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))], None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     state, reason, warned = (part.strip() for part in out.stdout.strip().splitlines()[-1].split("|"))

@@ -12,13 +12,13 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, _child_env
+from conftest import ROOT, child_env
 
 
 def test_applying_every_fix_writes_nothing():
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup_child.py")
     proc = subprocess.run(
-        [sys.executable, child], env=_child_env([ROOT], None), capture_output=True, text=True, timeout=300
+        [sys.executable, child], env=child_env([ROOT], None), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -82,12 +82,12 @@ def test_checkout_on_pythonpath_is_reported_as_checkout(tmp_path, mcore_version)
 @pytest.mark.one_line
 def test_text_output_never_cuts_a_name():
     """A reason's dotted names stay whole in the text output's column, even when longer than it."""
-    from mcore_ckpt_fixes.cli.status import WIDTH, _wrapped
+    from mcore_ckpt_fixes.cli.status import WIDTH, wrap_reason
 
     name = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict"
     reason = f"the probe found {name} restoring a stale step for every parameter of the group"
     indent = 2 + len("chained-optim-main-params-split") + 2 + 14 + 2
     assert WIDTH - indent < len(name)  # the column is narrower than the name
-    lines = _wrapped(reason, indent)
+    lines = wrap_reason(reason, indent)
     assert name in lines
     assert " ".join(lines) == reason

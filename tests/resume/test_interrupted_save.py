@@ -28,12 +28,12 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_to_resume_from_exa
     needs_megatron_training()
     cfg = by_name(name)
     check.prepare()
-    uninterrupted, error, detail = check._world(
+    uninterrupted, error, detail = check.run_phase(
         cfg, "uninterrupted", str(tmp_path / "a"), check.MODES["off"], "cpu", 240.0
     )
     assert error is None, detail
     ckpt = str(tmp_path / "ckpt")
-    _, error, _ = check._world(cfg, "interrupted", ckpt, check.MODES["on"], "cpu", 120.0)
+    _, error, _ = check.run_phase(cfg, "interrupted", ckpt, check.MODES["on"], "cpu", 120.0)
     assert error == f"interrupted run: rank {cfg.world - 1}: rank {cfg.world - 1} exited without a result (crashed?)"
 
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
@@ -44,8 +44,8 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_to_resume_from_exa
     assert newer["iteration"] == check.RESUME_AT + 1 and not newer["complete"], newer
     assert newer["state"] == f"incomplete: data files of {cfg.world} ranks, {FINISHED_LAST}", newer
 
-    resumed, error, detail = check._world(cfg, "resume", ckpt, check.MODES["on"], "cpu", 240.0)
+    resumed, error, detail = check.run_phase(cfg, "resume", ckpt, check.MODES["on"], "cpu", 240.0)
     assert error is None, detail
-    verdict = check._verdict(uninterrupted, resumed)
+    verdict = check.verdict_against(uninterrupted, resumed)
     assert verdict["verdict"] == "exact", resume_fail_text(verdict)
     assert [r["iteration"] for r in verdict["ranks"]] == [check.RESUME_AT] * cfg.world

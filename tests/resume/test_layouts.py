@@ -74,7 +74,7 @@ def test_the_comparison_sees_one_changed_byte(tmp_path):
     check.prepare()
     change = layouts.by_name("tp2-to-tp1")
     saved = str(tmp_path / "saved")
-    _, error, detail = check._world(change.saved, "reference", saved, check.MODES["on"], "cpu", 240.0)
+    _, error, detail = check.run_phase(change.saved, "reference", saved, check.MODES["on"], "cpu", 240.0)
     assert error is None, detail
     copy = str(tmp_path / "copy")
     shutil.copytree(reference(saved), copy)

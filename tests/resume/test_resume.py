@@ -162,7 +162,7 @@ def test_the_comparison_with_the_release_sees_any_difference():
         ]
 
     def verdict(fixed, release):
-        return resume._same_as_release(cfg, fixed, release)
+        return resume.same_as_release(cfg, fixed, release)
 
     assert verdict(ranks(), ranks())["verdict"] == "as-release"
     flipped = verdict(ranks(bit=True), ranks())
@@ -175,8 +175,8 @@ def test_the_comparison_with_the_release_sees_any_difference():
     def failed(text):
         return [{"coords": {"rank": r}, "error": text, "detail": "..."} for r in range(2)]
 
-    where = resume._ckpt_prefix(cfg, "on") + "abc123/iter_0000002"
-    there = resume._ckpt_prefix(cfg, "off") + "xyz789/iter_0000002"
+    where = resume.ckpt_prefix(cfg, "on") + "abc123/iter_0000002"
+    there = resume.ckpt_prefix(cfg, "off") + "xyz789/iter_0000002"
     assert verdict(failed(f"OSError: {where}"), failed(f"OSError: {there}"))["same"] == "error"
     assert verdict(failed("KeyError: 1"), failed("KeyError: 2"))["verdict"] == "differs"
     assert verdict(failed("KeyError: 1"), ranks())["verdict"] == "differs"
@@ -200,16 +200,16 @@ def test_resuming_several_ways_in_one_world_does_not_depend_on_the_order():
     resume.prepare()
     cfg = AS_RELEASE[0]
     backwards = dataclasses.replace(cfg, resume_args=tuple(reversed(cfg.resume_args)))
-    ckpt_dir = tempfile.mkdtemp(prefix=resume._ckpt_prefix(cfg, "off"))
+    ckpt_dir = tempfile.mkdtemp(prefix=resume.ckpt_prefix(cfg, "off"))
     try:
-        runs = [resume._world(cfg, "save", ckpt_dir, resume.MODES["off"], "cpu", 240.0)]
-        runs += [resume._world(c, "resume", ckpt_dir, resume.MODES["off"], "cpu", 240.0) for c in (cfg, backwards)]
+        runs = [resume.run_phase(cfg, "save", ckpt_dir, resume.MODES["off"], "cpu", 240.0)]
+        runs += [resume.run_phase(c, "resume", ckpt_dir, resume.MODES["off"], "cpu", 240.0) for c in (cfg, backwards)]
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     assert [error for _, error, _ in runs] == [None] * 3, runs
-    forwards, reverse = resume._ways(runs[1][0]), resume._ways(runs[2][0])[::-1]
+    forwards, reverse = resume.per_way(runs[1][0]), resume.per_way(runs[2][0])[::-1]
     for args, fwd, rev in zip(cfg.resume_args, forwards, reverse):
-        way = resume._same_as_release(cfg, fwd, rev)
+        way = resume.same_as_release(cfg, fwd, rev)
         assert way["verdict"] == resume.AS_RELEASE, (
             args,
             way.get("error"),

@@ -50,9 +50,9 @@ def stand_in_modules(names) -> None:
 def install_cuda_stream() -> None:
     """``torch.cuda.Stream()`` on the CPU (``megatron.training.get_model`` makes one for DDP): the
     CPU shims' stream, which waits for nothing (CPU work is ordered already)."""
-    from mcore_ckpt_fixes.testing._cpu_shims import _NoStream
+    from mcore_ckpt_fixes.testing._cpu_shims import NoStream
 
-    torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.Stream = lambda *args, **kwargs: NoStream()
 
 
 def te_version_without_te() -> None:

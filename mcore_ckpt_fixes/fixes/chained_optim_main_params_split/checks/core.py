@@ -48,7 +48,7 @@ class Case:
     layer_spec: object = None  # num_experts -> the layer's ModuleSpec; None: the local spec's
 
 
-def _local_spec(num_experts):
+def local_moe_spec(num_experts):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
@@ -99,7 +99,7 @@ def _chunks(case: Case, seed, bf16):
         moe_token_dispatcher_type="allgather",
         add_bias_linear=False,  # 0.14 builds no MoE layer with biases
     )
-    spec = (case.layer_spec or _local_spec)(case.num_experts)
+    spec = (case.layer_spec or local_moe_spec)(case.num_experts)
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     out = []
     for vp in range(case.chunks):

@@ -65,7 +65,7 @@ def grouped_experts_spec(num_experts):
     from megatron.core.transformer.moe import experts
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    layer = chained._local_spec(num_experts)
+    layer = chained.local_moe_spec(num_experts)
     moe = _submodules(layer).mlp
     # From 0.17.0 TEGroupedMLP has its own submodules class and the experts are a builder (a partial).
     submodules = getattr(experts, "GroupedMLPSubmodules", MLPSubmodules)(

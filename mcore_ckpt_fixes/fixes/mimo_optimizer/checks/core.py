@@ -75,7 +75,7 @@ def _cuda_to_cpu_mode():
 # -- layout ----------------------------------------------------------------------------------
 
 
-class _Layout:
+class RankLayout:
     """Which module each global rank runs and its process groups (every rank creates every group)."""
 
     def __init__(self):
@@ -155,25 +155,25 @@ def _tower_class():
 
 
 # Equal widths: both modules' buffers have the same shapes, so only the keys tell them apart (the
-# values are drawn per module name and TP rank, see _values: a rank that reads the other module's
+# values are drawn per module name and TP rank, see seeded_values: a rank that reads the other module's
 # shard gets other numbers and the comparison fails).
 _WIDTH = {"language": 32, "vision": 32}
-_PREFIX = {"language": "language_model.", "vision": "modality_submodules.vision."}
+MODEL_PREFIX = {"language": "language_model.", "vision": "modality_submodules.vision."}
 
 
-def _values(seed, *parts, shape):
+def seeded_values(seed, *parts, shape):
     key = "/".join(str(p) for p in (seed,) + parts)
     g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-class _Built:
+class BuiltOptimizer:
     def __init__(self, mimo, model, layout, module_opt):
         self.mimo, self.model, self.layout, self.opt = mimo, model, layout, module_opt
 
     def model_sharded_state_dict(self):
         return self.model.sharded_state_dict(
-            prefix=_PREFIX[self.layout.module], metadata={"dp_cp_group": self.layout.pgs.dp_cp}
+            prefix=MODEL_PREFIX[self.layout.module], metadata={"dp_cp_group": self.layout.pgs.dp_cp}
         )
 
 
@@ -186,7 +186,7 @@ def _build(layout, seed, fmt):
     model = module_model(layout, distributed)
     with torch.no_grad():
         for pname, p in model.module.named_parameters():
-            p.copy_(_values(seed, name, _tp_key(p, layout.tp_rank), "param", pname, shape=p.shape))
+            p.copy_(seeded_values(seed, name, _tp_key(p, layout.tp_rank), "param", pname, shape=p.shape))
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=1e-3,
@@ -198,7 +198,7 @@ def _build(layout, seed, fmt):
     )
     opt = get_megatron_optimizer(opt_config, [model], pg_collection=layout.pgs, use_gloo_process_groups=False)
     _fill_state(opt, seed, name, layout.tp_rank)
-    return _Built(mimo_optimizer(layout, opt, opt_config), model, layout, opt)
+    return BuiltOptimizer(mimo_optimizer(layout, opt, opt_config), model, layout, opt)
 
 
 def module_model(layout, distributed):
@@ -261,7 +261,7 @@ def _fill_state(opt, seed, name, tp_rank):
                 p.grad = torch.ones_like(p)
         torch_opt.step()
         for gi, g in enumerate(torch_opt.param_groups):
-            g["lr"] = float(_values(seed, name, "lr", i, gi, shape=(1,)).abs().item()) * 1e-3
+            g["lr"] = float(seeded_values(seed, name, "lr", i, gi, shape=(1,)).abs().item()) * 1e-3
             g["betas"] = (0.8 + (seed % 7) * 0.01, 0.9 + (seed % 5) * 0.01)
             g["weight_decay"] = 0.01 * (1 + seed % 3) * (gi + 1)
             g["eps"] = 1e-8 * (1 + seed % 11)
@@ -272,7 +272,9 @@ def _fill_state(opt, seed, name, tp_rank):
                     if k == "step":
                         state[k] = torch.tensor(saved_step(seed, name), dtype=t.dtype)
                     else:
-                        t.copy_(_values(seed, name, _tp_key(p, tp_rank, distributed), i, gi, pi, k, shape=t.shape))
+                        t.copy_(
+                            seeded_values(seed, name, _tp_key(p, tp_rank, distributed), i, gi, pi, k, shape=t.shape)
+                        )
 
 
 def _snapshot(opt):
@@ -335,7 +337,7 @@ def _fix_state(patched):
     return fix_states(ID, (TARGET,), patched, accept=ON + ("not-applicable",))
 
 
-def _save(built, ckpt_dir, sharding_type):
+def save_built(built, ckpt_dir, sharding_type):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
@@ -362,7 +364,7 @@ def _save(built, ckpt_dir, sharding_type):
     dist.barrier()
 
 
-def _load(built, ckpt_dir, sharding_type):
+def load_built(built, ckpt_dir, sharding_type):
     """Load into ``built``; returns (the sharding type each inner optimizer received, warnings)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -485,7 +487,7 @@ def _scenario(body, patched, device):
     with placement.on(device), _cuda_to_cpu_mode() if on_cpu else contextlib.nullcontext(), rt.running():
         rt["device"] = str(placement.device())
         try:
-            layout = _Layout()
+            layout = RankLayout()
             rt["module"], rt["tp_rank"] = layout.module, layout.tp_rank
             rt["fix_state"] = _fix_state(patched)
             body(layout, rt)
@@ -509,7 +511,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type=
         saved = _build(layout, SAVE_SEED, own)
         fresh = _build(layout, FRESH_SEED, own)
         assert _compare(_snapshot(saved.opt), _snapshot(fresh.opt))[1], "fresh param groups equal the saved ones"
-        _save(saved, ckpt_dir, own)
+        save_built(saved, ckpt_dir, own)
         _load_and_check(layout, rt, fresh, ckpt_dir, own)
 
     return _scenario(body, patched, device)
@@ -527,7 +529,7 @@ def save_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="
 
     def body(layout, rt):
         own = _own_type(sharding_type, layout)
-        _save(_build(layout, SAVE_SEED, own), ckpt_dir, own)
+        save_built(_build(layout, SAVE_SEED, own), ckpt_dir, own)
 
     return _scenario(body, patched, device)
 
@@ -543,7 +545,7 @@ def load_only(rank, world_size, ckpt_dir, patched, device="cpu", sharding_type="
 
 
 def _load_and_check(layout, rt, fresh, ckpt_dir, sharding_type):
-    loaded_type, rt["warnings"] = _load(fresh, ckpt_dir, sharding_type)
+    loaded_type, rt["warnings"] = load_built(fresh, ckpt_dir, sharding_type)
     problems = _check_loaded(rt, fresh, sharding_type, loaded_type)
     shared("compare", _raise_if, problems)
 

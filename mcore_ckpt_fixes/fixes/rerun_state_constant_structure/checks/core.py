@@ -72,7 +72,7 @@ def prepare() -> None:
 
 
 @contextlib.contextmanager
-def _machine(error="PERSISTENT_ERROR"):
+def fresh_machine(error="PERSISTENT_ERROR"):
     """A fresh process-wide machine in VALIDATE_RESULTS mode, injecting an error of the
     ``RerunDiagnostic`` named ``error`` into every validated result from the second step on."""
     from megatron.core import rerun_state_machine as rsm
@@ -87,7 +87,7 @@ def _machine(error="PERSISTENT_ERROR"):
         rsm.destroy_rerun_state_machine()
 
 
-def _step(machine, data):
+def drive_step(machine, data):
     """One training step as train_step drives the machine: (should_checkpoint, should_exit, code)."""
     while machine.should_run_forward_backward(data):
         loss = torch.tensor(float(next(data)))
@@ -95,7 +95,7 @@ def _step(machine, data):
     return machine.should_checkpoint_and_exit()
 
 
-def _model(rank, seed):
+def model_shard(rank, seed):
     from megatron.core.dist_checkpointing import ShardedTensor
 
     g = torch.Generator().manual_seed(seed + rank)
@@ -103,7 +103,7 @@ def _model(rank, seed):
     return w, {"w": ShardedTensor.from_rank_offsets("model.w", w, (0, rank, dist.get_world_size()))}
 
 
-def _save(path, strategy, first, model_sd, machine, data):
+def save_with_rerun_state(path, strategy, first, model_sd, machine, data):
     from megatron.core import dist_checkpointing
 
     state = {"model": model_sd}
@@ -116,7 +116,7 @@ def _save(path, strategy, first, model_sd, machine, data):
     dist_checkpointing.save(state, path, strategy, validate_access_integrity=first)
 
 
-def _strategy():
+def cached_save_strategy():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
@@ -125,7 +125,7 @@ def _strategy():
     return strategy
 
 
-def _load(path, model_sd, machine, state_dict=None):
+def load_with_rerun_state(path, model_sd, machine, state_dict=None):
     """As ``load_checkpoint`` reads the rerun state: the common state first, the machine's
     ``force=True`` template only where ``validate_state_dict`` accepts what was saved.
     ``state_dict``: the function that builds the template (default: the machine's own)."""
@@ -155,7 +155,7 @@ def on_disk(path):
     }
 
 
-def _view(machine):
+def machine_view(machine):
     out = {f: getattr(machine, f) for f in FIELDS}
     out["state"] = out["state"].name
     out["initial_result"] = None if out["initial_result"] is None else float(out["initial_result"])
@@ -177,37 +177,37 @@ def error_line(exc):
 def _train_and_save(rt, ckpt_dir, rank):
     """Step 1 and the steady-state save, step 2 (the fault) and its save, with one strategy, as
     save_checkpoint makes them; returns this rank's model shard and the two checkpoints."""
-    strategy = _strategy()
+    strategy = cached_save_strategy()
     paths = [os.path.join(ckpt_dir, it) for it in ("iter_1", "iter_2")]
-    with _machine() as (machine, data):
-        w, model_sd = _model(rank, 1)
-        assert _step(machine, data)[0] is False
-        _save(paths[0], strategy, True, model_sd, machine, data)
-        rt["fault_exit"] = list(_step(machine, data))
+    with fresh_machine() as (machine, data):
+        w, model_sd = model_shard(rank, 1)
+        assert drive_step(machine, data)[0] is False
+        save_with_rerun_state(paths[0], strategy, True, model_sd, machine, data)
+        rt["fault_exit"] = list(drive_step(machine, data))
         rt["saved"] = _saved(machine, data)
-        _save(paths[1], strategy, False, model_sd, machine, data)
+        save_with_rerun_state(paths[1], strategy, False, model_sd, machine, data)
     rt["on_disk"] = [on_disk(p) for p in paths]
     return w, paths
 
 
 def _saved(machine, data):
-    saved = _view(machine)
+    saved = machine_view(machine)
     saved["data_iterator_checkpoints"] = repr([data.state_dict()])
     return saved
 
 
 def _resume(path, rank, state_dict=None, model=True):
     """A new machine loads ``path`` and runs the step again: what it restored and what it did."""
-    with _machine() as (machine, data):
-        model_sd = _model(rank, 2)[1] if model else None
-        loaded = _load(path, model_sd, machine, state_dict)
-        restored = _view(machine)
-        restored["resumed_exit"] = list(_step(machine, data))
+    with fresh_machine() as (machine, data):
+        model_sd = model_shard(rank, 2)[1] if model else None
+        loaded = load_with_rerun_state(path, model_sd, machine, state_dict)
+        restored = machine_view(machine)
+        restored["resumed_exit"] = list(drive_step(machine, data))
         restored["resumed_state"] = machine.state.name
     return loaded, restored
 
 
-def _parameters(model):
+def parameters_of(model):
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
@@ -227,25 +227,25 @@ def _through_megatron_training(rt, training, ckpt_dir):
         job.seed(args)
         model, optimizer, scheduler = job.build(args, cfg)
         context = {}
-        with _machine() as (machine, data):
+        with fresh_machine() as (machine, data):
             job.train_step(model, optimizer, scheduler, args, cpu_gen)
-            assert _step(machine, data)[0] is False
+            assert drive_step(machine, data)[0] is False
             training.save_checkpoint(1, [model], optimizer, scheduler, 0, context, train_data_iterator=data)
-            rt["fault_exit"] = list(_step(machine, data))
+            rt["fault_exit"] = list(drive_step(machine, data))
             rt["saved"] = _saved(machine, data)
             training.save_checkpoint(2, [model], optimizer, scheduler, 0, context, train_data_iterator=data)
-        saved = _parameters(model)
+        saved = parameters_of(model)
         dist.barrier()
         paths = [training.get_checkpoint_name(ckpt_dir, it, return_base_dir=True) for it in (1, 2)]
         rt["on_disk"] = [on_disk(p) for p in paths]
         rt.phase("load")
         model, optimizer, scheduler = job.build(args, cfg)
-        with _machine() as (machine, data):
+        with fresh_machine() as (machine, data):
             rt["iteration"] = training.load_checkpoint([model], optimizer, scheduler, checkpointing_context={})[0]
-            rt["loaded"] = _view(machine)
-            rt["loaded"]["resumed_exit"] = list(_step(machine, data))
+            rt["loaded"] = machine_view(machine)
+            rt["loaded"]["resumed_exit"] = list(drive_step(machine, data))
             rt["loaded"]["resumed_state"] = machine.state.name
-        rt.compare(saved, _parameters(model), prefix="model/")
+        rt.compare(saved, parameters_of(model), prefix="model/")
     return paths
 
 

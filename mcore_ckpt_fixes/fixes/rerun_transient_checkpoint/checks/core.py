@@ -11,8 +11,8 @@ runs the next step, as the job a scheduler resumes from the latest checkpoint do
 Where the release ships ``megatron.training`` (0.17+): the resume check's small GPT after one real
 training step, saved with ``megatron.training.checkpointing.save_checkpoint`` (``train_data_iterator``
 the machine's iterator) and loaded with ``load_checkpoint`` into a new model. Before 0.17 the calls
-``save_checkpoint`` and ``load_checkpoint`` make (rerun-state-constant-structure's ``_save`` and
-``_load``) with a rank's model shard.
+``save_checkpoint`` and ``load_checkpoint`` make (rerun-state-constant-structure's ``save_with_rerun_state`` and
+``load_with_rerun_state``) with a rank's model shard.
 
 Case ``exit``: the checkpoint this process's machine asks for. With the fix on, also case ``old``:
 the machine asks the release's own ``should_checkpoint_and_exit``, so the checkpoint is what an
@@ -70,9 +70,9 @@ def _to_the_fault(out, machine, data, release_exit):
 
         release = original(RerunStateMachine, "should_checkpoint_and_exit")
         machine.should_checkpoint_and_exit = types.MethodType(release, machine)
-    assert machine_checks._step(machine, data)[0] is False
-    out["fault_exit"] = list(machine_checks._step(machine, data))
-    out["saved"] = machine_checks._view(machine)
+    assert machine_checks.drive_step(machine, data)[0] is False
+    out["fault_exit"] = list(machine_checks.drive_step(machine, data))
+    out["saved"] = machine_checks.machine_view(machine)
 
 
 @contextlib.contextmanager
@@ -83,8 +83,8 @@ def _resuming(out, machine, data):
         warnings.simplefilter("always")
         yield
     out["warnings"] = [str(w.message) for w in caught if ID in str(w.message)]
-    out["loaded"] = machine_checks._view(machine)
-    out["resumed_exit"] = list(machine_checks._step(machine, data))
+    out["loaded"] = machine_checks.machine_view(machine)
+    out["resumed_exit"] = list(machine_checks.drive_step(machine, data))
     out["resumed_state"] = machine.state.name
 
 
@@ -93,15 +93,17 @@ def _through_dist_checkpointing(rt, ckpt_dir, rank, cases):
         out = rt["cases"][case] = {}
         path = os.path.join(ckpt_dir, case)
         rt.phase("save")
-        with machine_checks._machine(TRANSIENT) as (machine, data):
-            w, model_sd = machine_checks._model(rank, 1)
+        with machine_checks.fresh_machine(TRANSIENT) as (machine, data):
+            w, model_sd = machine_checks.model_shard(rank, 1)
             _to_the_fault(out, machine, data, case == "old")
-            machine_checks._save(path, machine_checks._strategy(), True, model_sd, machine, data)
+            machine_checks.save_with_rerun_state(
+                path, machine_checks.cached_save_strategy(), True, model_sd, machine, data
+            )
         out["on_disk"] = machine_checks.on_disk(path)
         rt.phase("resume")
-        with machine_checks._machine(TRANSIENT) as (machine, data):
+        with machine_checks.fresh_machine(TRANSIENT) as (machine, data):
             with _resuming(out, machine, data):
-                loaded = machine_checks._load(path, machine_checks._model(rank, 2)[1], machine)
+                loaded = machine_checks.load_with_rerun_state(path, machine_checks.model_shard(rank, 2)[1], machine)
         rt.compare({"model/w": w}, {"model/w": loaded["model"]["w"]}, prefix=f"{case}/")
 
 
@@ -120,24 +122,24 @@ def _through_megatron_training(rt, training, ckpt_dir, cases):
         job.seed(args)
         model, optimizer, scheduler = job.build(args, cfg)
         job.train_step(model, optimizer, scheduler, args, cpu_gen)
-        saved = machine_checks._parameters(model)
+        saved = machine_checks.parameters_of(model)
         for case in cases:
             out = rt["cases"][case] = {}
             args.save = args.load = os.path.join(ckpt_dir, case)
             rt.phase("save")
-            with machine_checks._machine(TRANSIENT) as (machine, data):
+            with machine_checks.fresh_machine(TRANSIENT) as (machine, data):
                 _to_the_fault(out, machine, data, case == "old")
                 training.save_checkpoint(1, [model], optimizer, scheduler, 0, {}, train_data_iterator=data)
             dist.barrier()
             out["on_disk"] = machine_checks.on_disk(training.get_checkpoint_name(args.save, 1, return_base_dir=True))
             rt.phase("resume")
             new_model, new_optimizer, new_scheduler = job.build(args, cfg)
-            with machine_checks._machine(TRANSIENT) as (machine, data):
+            with machine_checks.fresh_machine(TRANSIENT) as (machine, data):
                 with _resuming(out, machine, data):
                     out["iteration"] = training.load_checkpoint(
                         [new_model], new_optimizer, new_scheduler, checkpointing_context={}
                     )[0]
-            rt.compare(saved, machine_checks._parameters(new_model), prefix=f"{case}/model/")
+            rt.compare(saved, machine_checks.parameters_of(new_model), prefix=f"{case}/model/")
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):

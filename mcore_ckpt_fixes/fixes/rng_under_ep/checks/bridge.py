@@ -41,7 +41,7 @@ from ....testing.bridge_config import cpu_gpt_provider, round_trip_config
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID as FIX_ID
-from .core import CudaRngStandIn, _model_tensors, _scramble, compare_exact, consume_streams, snapshot
+from .core import CudaRngStandIn, compare_exact, consume_streams, model_tensors, scramble_parameters, snapshot
 from ....testing.quiet import quiet
 
 MODULE = "megatron.bridge.training.checkpointing"
@@ -206,10 +206,10 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, ckpt_format="fsdp_dtenso
     with CudaRngStandIn() as stand_in, rt.running():
         state, model = _setup(ckpt_dir, ckpt_format)
         saved = _save(state, model, stand_in, rt, patched)
-        saved_model = _model_tensors(model)
-        _scramble(model)
+        saved_model = model_tensors(model)
+        scramble_parameters(model)
         _, loaded = _load(state, model, stand_in, rt)
-        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
+        compare_exact(rt, saved, loaded, saved_model, model_tensors(model))
     _teardown()
     return rt.result
 

@@ -295,17 +295,17 @@ def _saved_layout(args):
     return list(obj.global_shape), list(obj.global_offset), obj.replica_id
 
 
-def _model_tensors(model):
+def model_tensors(model):
     return {k: v.detach().clone().cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _scramble(model):
+def scramble_parameters(model):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
 
 
-def _round_trip(device):
+def scenario_round_trip(device):
     """This rank's :class:`RoundTrip` with the fields every rng-under-ep scenario reports.
 
     Its error policy covers ``SystemExit`` too: load_checkpoint exits on an unreadable RNG state."""
@@ -350,7 +350,7 @@ def _load(args, model, stand_in, rt):
     return before, snapshot()
 
 
-def _teardown():
+def teardown_model_parallel():
     from megatron.core import parallel_state as mpu
 
     with contextlib.suppress(Exception):
@@ -366,15 +366,15 @@ def ep2_round_trip(
     """save_checkpoint, new RNG states everywhere, load_checkpoint: every rank's RNG states (and its
     model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    rt = _round_trip(device)
+    rt = scenario_round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(ckpt_dir, device, ckpt_format, data_parallel_random_init=data_parallel_random_init)
         saved = _save(args, model, stand_in, rt, patched)
-        saved_model = _model_tensors(model)
-        _scramble(model)
+        saved_model = model_tensors(model)
+        scramble_parameters(model)
         _, loaded = _load(args, model, stand_in, rt)
-        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
-    _teardown()
+        compare_exact(rt, saved, loaded, saved_model, model_tensors(model))
+    teardown_model_parallel()
     return rt.result
 
 
@@ -403,12 +403,12 @@ def save_only(
 ):
     """The save half alone (``saved``: this rank's RNG states as they went into the checkpoint)."""
     assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"
-    rt = _round_trip(device)
+    rt = scenario_round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(ckpt_dir, device, ckpt_format, data_parallel_random_init=data_parallel_random_init)
         rt["saved"] = _save(args, model, stand_in, rt, patched)
         rt["n_tensors"] = len(rt["saved"])
-    _teardown()
+    teardown_model_parallel()
     return rt.result
 
 
@@ -425,7 +425,7 @@ def load_only(
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state load_checkpoint raised)."""
     assert world_size in (EP, 2 * EP), f"rng-under-ep save/load need world size {EP} or {2 * EP}, got {world_size}"
-    rt = _round_trip(device)
+    rt = scenario_round_trip(device)
     with CudaRngStandIn() as stand_in, rt.running():
         args, model = _setup(
             ckpt_dir, device, ckpt_format, no_load_rng=no_load_rng, data_parallel_random_init=data_parallel_random_init
@@ -434,5 +434,5 @@ def load_only(
         rt["fix_state"] = _fix_state(patched)
         rt["before"], rt["loaded"] = _load(args, model, stand_in, rt)
         rt["n_tensors"] = len(rt["loaded"])
-    _teardown()
+    teardown_model_parallel()
     return rt.result

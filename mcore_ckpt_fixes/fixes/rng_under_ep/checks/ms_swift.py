@@ -58,12 +58,12 @@ from .core import (
     FRESH_SEED,
     SEED,
     CudaRngStandIn,
-    _model_tensors,
+    model_tensors,
     compare_exact,
     consume_streams,
-    _round_trip,
-    _scramble,
-    _teardown,
+    scenario_round_trip,
+    scramble_parameters,
+    teardown_model_parallel,
     snapshot,
 )
 
@@ -291,17 +291,17 @@ def ep2_round_trip(rank, world_size, ckpt_dir, patched, fsdp_dtensor=False, data
     """save_mcore_checkpoint, new RNG states everywhere, load_mcore_checkpoint: every rank's RNG
     states (and its model, experts included) must be what it saved. ``max_delta``: per RNG component."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    rt = _round_trip("cpu")
+    rt = scenario_round_trip("cpu")
     with CudaRngStandIn() as stand_in, rt.running():
         m, args, model = _setup(
             ckpt_dir, fsdp_dtensor=fsdp_dtensor, data_parallel_random_init=data_parallel_random_init
         )
         saved = _save(m, args, model, stand_in, rt, patched)
-        saved_model = _model_tensors(model)
-        _scramble(model)
+        saved_model = model_tensors(model)
+        scramble_parameters(model)
         _, loaded = _load(m, args, model, stand_in, rt)
-        compare_exact(rt, saved, loaded, saved_model, _model_tensors(model))
-    _teardown()
+        compare_exact(rt, saved, loaded, saved_model, model_tensors(model))
+    teardown_model_parallel()
     return rt.result
 
 
@@ -311,7 +311,7 @@ def load_only(
     """The load half alone, in a fresh world (``before``: the states just before loading,
     ``loaded``: just after; ``warnings``: the warnings about the RNG state raised meanwhile)."""
     assert world_size == EP, f"rng-under-ep scenarios need world size {EP}, got {world_size}"
-    rt = _round_trip("cpu")
+    rt = scenario_round_trip("cpu")
     with CudaRngStandIn() as stand_in, rt.running():
         m, args, model = _setup(
             ckpt_dir,
@@ -323,5 +323,5 @@ def load_only(
         rt["fix_state"] = fix_states(FIX_ID, (MODULE,), patched)
         rt["before"], rt["loaded"] = _load(m, args, model, stand_in, rt)
         rt["n_tensors"] = len(rt["loaded"])
-    _teardown()
+    teardown_model_parallel()
     return rt.result

@@ -63,9 +63,9 @@ def classic_models_identical(rank: int, world_size: int, ckpt_dir: str) -> dict:
                 mcore_ckpt_fixes.revert()
                 if patched:
                     mcore_ckpt_fixes.apply({})  # defaults: auto
-                explicit._seed_rng(7, parallel_state.get_tensor_model_parallel_rank())
+                explicit.seed_rng(7, parallel_state.get_tensor_model_parallel_rank())
                 model = build()
-                explicit._fill(model, 7, parallel_state.get_tensor_model_parallel_rank())
+                explicit.fill_deterministic(model, 7, parallel_state.get_tensor_model_parallel_rank())
                 built[patched] = (model, _describe(model.sharded_state_dict(prefix="")))
             (m_off, d_off), (m_on, d_on) = built[False], built[True]
             sd_off, sd_on = m_off.state_dict(), m_on.state_dict()
@@ -81,9 +81,9 @@ def classic_models_identical(rank: int, world_size: int, ckpt_dir: str) -> dict:
             dist.barrier()
             dist_checkpointing.save(m_on.sharded_state_dict(prefix=""), path)
             dist.barrier()
-            explicit._seed_rng(8, parallel_state.get_tensor_model_parallel_rank())
+            explicit.seed_rng(8, parallel_state.get_tensor_model_parallel_rank())
             fresh = build()
-            explicit._fill(fresh, 8, parallel_state.get_tensor_model_parallel_rank())
+            explicit.fill_deterministic(fresh, 8, parallel_state.get_tensor_model_parallel_rank())
             fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), path))
             after = fresh.state_dict()
             delta = worst(max_abs_delta(sd_on[k], after[k]) for k in sd_on if isinstance(sd_on[k], torch.Tensor))
@@ -122,7 +122,7 @@ def save_load_timing(rank: int, world_size: int, ckpt_dir: str, repeats: int = 5
                 mcore_ckpt_fixes.revert()
                 if patched:
                     mcore_ckpt_fixes.apply({})
-                explicit._seed_rng(7, parallel_state.get_tensor_model_parallel_rank())  # RNG tracker
+                explicit.seed_rng(7, parallel_state.get_tensor_model_parallel_rank())  # RNG tracker
                 models = {name: build() for name, build in builders.items()}
                 path = f"{ckpt_dir}/{i}-{int(patched)}"
                 if rank == 0:

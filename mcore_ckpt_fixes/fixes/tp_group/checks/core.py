@@ -84,7 +84,7 @@ def _place(model, device):
     return model if dev.type == "cpu" else model.to(dev)
 
 
-def _seed_rng(seed, tp_rank):
+def seed_rng(seed, tp_rank):
     """Seed CPU and Megatron's (CUDA-named) tracker RNGs, as a training script would."""
     from megatron.core import tensor_parallel
 
@@ -95,7 +95,7 @@ def _seed_rng(seed, tp_rank):
 # -- the round trip ------------------------------------------------------------------------------
 
 
-def _fill(model, seed, tp_rank):
+def fill_deterministic(model, seed, tp_rank):
     """Give every tensor deterministic values: TP-sharded ones differ per TP rank, replicated ones
     are equal on all TP ranks (as after a real init), and a different seed gives other values
     everywhere, so the comparison after load cannot pass by accident (e.g. ``D`` starts as ones)."""
@@ -130,7 +130,7 @@ def _round_trip(build, ckpt_dir, pgs, patched, modules, device="cpu"):
     with rt.running():  # ranks fail alike here, before any collective: no hang
         rt.phase("build")
         saved = _place(build(SAVE_SEED), device)
-        _fill(saved, SAVE_SEED, tp_rank)
+        fill_deterministic(saved, SAVE_SEED, tp_rank)
         _check_device(saved, device)
         rt.phase("precondition")  # after build: the fix's targets are probed when first imported
         rt["fix_state"] = _fix_states(patched, modules)
@@ -141,7 +141,7 @@ def _round_trip(build, ckpt_dir, pgs, patched, modules, device="cpu"):
         dist.barrier()
         rt.phase("build_fresh")
         fresh = _place(build(FRESH_SEED), device)
-        _fill(fresh, FRESH_SEED, tp_rank)
+        fill_deterministic(fresh, FRESH_SEED, tp_rank)
         before, after = _tensors(saved), _tensors(fresh)
         assert before.keys() == after.keys(), f"state_dict keys differ: {sorted(before.keys() ^ after.keys())}"
         same = [k for k, t in before.items() if t.is_floating_point() and t.numel() and torch.equal(t, after[k])]
@@ -207,7 +207,7 @@ def mamba_stack(rank: int, world_size: int, ckpt_dir: str, patched: bool, device
         layers = {"layer_type_list": ["M", "M"]}
 
     def build(seed):
-        _seed_rng(seed, pgs.tp.rank())
+        seed_rng(seed, pgs.tp.rank())
         # post_layer_norm=False: the stack's final norm is hard-wired to TENorm (TransformerEngine).
         submodules = MambaStackSubmodules(mamba_layer=layer_spec)
         return MambaStack(config, submodules, post_layer_norm=False, pg_collection=pgs, **layers)
@@ -252,7 +252,7 @@ def radio_factory(pgs, device: str = "cpu"):
 
 def _seeded(make, pgs):
     def build(seed):
-        _seed_rng(seed, pgs.tp.rank())
+        seed_rng(seed, pgs.tp.rank())
         return make()
 
     return build
