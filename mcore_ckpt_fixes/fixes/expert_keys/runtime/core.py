@@ -96,7 +96,7 @@ def print_diff_in_state_dicts(below_us, state_dict_metadata, load_state_dict, *a
             from ....engine.errors import MegatronPatchWarning
 
             for text in filter(None, texts):
-                warnings.warn(text, MegatronPatchWarning, stacklevel=2)
+                warnings.warn(text, MegatronPatchWarning, stacklevel=3)  # the caller's line (past @layer's frame)
     return result
 
 

@@ -1,7 +1,7 @@
 """fully-reshardable-buckets' monkeypatch on ``megatron.core.optimizer.distrib_optimizer``:
 ``DistributedOptimizer.sharded_param_state_fully_reshardable`` and the gather it calls,
-``get_parameter_state_dp_zero``, the probe and apply. Why: the package's docstring. Imported only
-when the target module is.
+``get_parameter_state_dp_zero``, and the probe. Why: the package's docstring. Imported only when
+the target module is.
 
 The save marks, in a context variable of this module, which optimizer it runs for; the gather lays
 its result out as the gradient buffers for that optimizer in that context only (a thread saving
@@ -12,19 +12,15 @@ the instance for the length of a call.
 from __future__ import annotations
 
 import contextvars
-import sys
 import types
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
 METHOD = "sharded_param_state_fully_reshardable"
 GATHER = "get_parameter_state_dp_zero"
-
-
-def _cls():
-    return getattr(sys.modules[MODULE], CLASS)
 
 
 def _bucket_shifts(buffer):
@@ -72,12 +68,11 @@ def _laid_out_as_the_buffers(self, state):
 _SAVING = contextvars.ContextVar("mcore_ckpt_fixes_fully_reshardable_saving", default=None)
 
 
-@mark(ID)
-def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+@layer(ID, MODULE, METHOD, owner=CLASS)
+def sharded_param_state_fully_reshardable(below_us, self, *args, **kwargs):
     """The release's method; inside it, this optimizer's gather (:func:`get_parameter_state_dp_zero`)
     gives world tensors laid out as the gradient buffers, where the method looks each parameter up,
     wherever a buffer's buckets sit elsewhere in the gathered world tensor."""
-    below_us = below(ID, _cls(), METHOD)
     if not any(any(_bucket_shifts(b)) for b in self.buffers):
         return below_us(self, *args, **kwargs)
     token = _SAVING.set(self)
@@ -87,12 +82,12 @@ def sharded_param_state_fully_reshardable(self, *args, **kwargs):
         _SAVING.reset(token)
 
 
-@mark(ID)
-def get_parameter_state_dp_zero(self, *args, **kwargs):
+@layer(ID, MODULE, GATHER, owner=CLASS)
+def get_parameter_state_dp_zero(below_us, self, *args, **kwargs):
     """``DistributedOptimizer.get_parameter_state_dp_zero``: the release's gather; called for this
     optimizer's fully_reshardable save in this context, laid out as the gradient buffers. Every other
     caller (the ``torch`` format's save, dp_zero checkpoints) gets the release's layout."""
-    state = below(ID, _cls(), GATHER)(self, *args, **kwargs)
+    state = below_us(self, *args, **kwargs)
     if _SAVING.get() is self:
         return _laid_out_as_the_buffers(self, state)
     return state
@@ -140,8 +135,3 @@ def probe(module: types.ModuleType):
         f"{CLASS}.{METHOD} saves a parameter of a later bucket from its offset in the padded gradient "
         "buffer, not from its place in the gathered state"
     )
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(module.__dict__[CLASS], METHOD, sharded_param_state_fully_reshardable)
-    patcher.replace(module.__dict__[CLASS], GATHER, get_parameter_state_dp_zero)

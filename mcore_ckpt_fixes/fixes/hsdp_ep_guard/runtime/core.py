@@ -5,10 +5,10 @@ declaration and why are in the package's docstring (:mod:`mcore_ckpt_fixes.fixes
 
 from __future__ import annotations
 
-import sys
 import types
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 
@@ -35,15 +35,15 @@ def _ep_size(pg_collection):
     return max(parallel_state.get_expert_model_parallel_world_size(), 1)  # 0 when uninitialised
 
 
-@mark(ID)
-def init_dist_index(self, pg_collection):
+@layer(ID, MODULE, "_init_dist_index", owner=CLASS)
+def init_dist_index(below_us, self, pg_collection):
     """``FullyShardedDataParallel._init_dist_index`` with the HSDP x EP guard in front."""
     instances = getattr(self.ddp_config, "num_distributed_optimizer_instances", 1) or 1
     if instances > 1:
         ep_size = _ep_size(pg_collection)
         if ep_size > 1:
             raise ValueError(refusal(instances, ep_size))
-    return below(ID, getattr(sys.modules[MODULE], CLASS), "_init_dist_index")(self, pg_collection)
+    return below_us(self, pg_collection)
 
 
 # -- probe: the release's own _init_dist_index on inert stand-ins ------------------------------------
@@ -118,7 +118,3 @@ def probe(module: types.ModuleType):
     if behaviour == "refused":
         return False, "HSDP with EP > 1 is refused at setup"
     return False, "HSDP with EP > 1 gets its own expert mesh"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(getattr(module, CLASS), "_init_dist_index", init_dist_index)

@@ -10,10 +10,10 @@ method ``TorchCommonLoadStrategy.load_common``.
 from __future__ import annotations
 
 import os
-import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import with_globals
 from .. import ID, MODULE
 
@@ -53,17 +53,16 @@ def _allowing_optimizer_classes(load, *args, **kwargs):
 # -- end of replacement ---
 
 
-@mark(ID)
-def load_common(checkpoint_dir):
+@layer(ID, MODULE, "load_common")
+def load_common(below_us, checkpoint_dir):
     """``load_common`` (0.17.0 on), with the hybrid optimizer's classes allowed."""
-    return _allowing_optimizer_classes(below(ID, sys.modules[MODULE], "load_common"), checkpoint_dir)
+    return _allowing_optimizer_classes(below_us, checkpoint_dir)
 
 
-@mark(ID)
-def strategy_load_common(self, checkpoint_dir):
+@layer(ID, MODULE, "load_common", owner=STRATEGY)
+def strategy_load_common(below_us, self, checkpoint_dir):
     """``TorchCommonLoadStrategy.load_common`` (0.15-0.16), with the hybrid optimizer's classes allowed."""
-    cls = getattr(sys.modules[MODULE], STRATEGY)
-    return _allowing_optimizer_classes(below(ID, cls, "load_common"), self, checkpoint_dir)
+    return _allowing_optimizer_classes(below_us, self, checkpoint_dir)
 
 
 def _strategy(module):

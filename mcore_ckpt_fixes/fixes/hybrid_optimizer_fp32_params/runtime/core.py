@@ -1,6 +1,6 @@
 """hybrid-optimizer-fp32-params' monkeypatch on ``megatron.core.optimizer.cpu_offloading.hybrid_optimizer``:
-a wrapper of ``HybridDeviceOptimizer._update_fp32_params_by_new_state``, the probe and apply. Why:
-the package's docstring. Imported only when the target module is.
+a wrapper of ``HybridDeviceOptimizer._update_fp32_params_by_new_state``, and the probe. Why: the
+package's docstring. Imported only when the target module is.
 
 The wrapper hands the call to the release's own method, over the parameters that have an fp32 copy;
 where every parameter has one (a bf16 model), or the optimizer does not update in fp32, the call is
@@ -9,18 +9,14 @@ the release's unchanged.
 
 from __future__ import annotations
 
-import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import original
 from .. import ID, MODULE
 
 CLASS = "HybridDeviceOptimizer"
 METHOD = "_update_fp32_params_by_new_state"
-
-
-def _cls():
-    return getattr(sys.modules[MODULE], CLASS)
 
 
 def without_fp32_copy(self) -> list:
@@ -30,14 +26,13 @@ def without_fp32_copy(self) -> list:
     return [p for p in self.state if p not in copies]
 
 
-@mark(ID)
-def update_fp32_params_by_new_state(self):
+@layer(ID, MODULE, METHOD, owner=CLASS)
+def update_fp32_params_by_new_state(release, self):
     """``HybridDeviceOptimizer._update_fp32_params_by_new_state`` over the parameters that have an
     fp32 copy. The release looks every parameter of the state up in ``param_to_fp32_param`` and
     raises ``KeyError`` for one that is fp32 itself. Such a parameter (or its CPU copy, which the
     post-load hook has just rebuilt from it) is what the optimizer updates: it keeps what the load
     restored, and its loaded ``master_param`` is the value it was saved with."""
-    release = below(ID, _cls(), METHOD)
     if not getattr(self, "param_update_in_fp32", False) or not without_fp32_copy(self):
         return release(self)
     state = self.state
@@ -75,7 +70,3 @@ def probe(module: types.ModuleType):
     if not release_raises_for_fp32_param(cls):
         return False, f"{CLASS}.{METHOD} skips parameters that are fp32 already"
     return True, f"{CLASS}.{METHOD} raises KeyError for a parameter that is fp32 already (no fp32 copy)"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(module.__dict__[CLASS], METHOD, update_fp32_params_by_new_state)

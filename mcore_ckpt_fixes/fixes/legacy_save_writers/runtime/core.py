@@ -18,7 +18,8 @@ import types
 
 import torch
 
-from ....engine.patching import MARK, Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import MARK, Patcher, is_replacement, original
 from .. import ID, MODULE
 
 NAME = "save_checkpoint"
@@ -91,17 +92,16 @@ def _legacy_checkpoint_name(module, fn, args, kwargs):
     )
 
 
-@mark(ID)
-def save_checkpoint(*args, **kwargs):
+@layer(ID, MODULE, NAME)
+def save_checkpoint(below_us, *args, **kwargs):
     """``save_checkpoint`` where a legacy save writes each file name from exactly one rank."""
     module = sys.modules[MODULE]
-    fn = below(ID, module, NAME)
-    name = _legacy_checkpoint_name(module, fn, args, kwargs)
+    name = _legacy_checkpoint_name(module, below_us, args, kwargs)
     if name is None:
-        return fn(*args, **kwargs)
+        return below_us(*args, **kwargs)
     token = _ANSWER.set(0 if _writes_legacy_checkpoint(name) else 1)
     try:
-        return fn(*args, **kwargs)
+        return below_us(*args, **kwargs)
     finally:
         _ANSWER.reset(token)
 

@@ -16,7 +16,8 @@ import types
 import warnings
 
 from ....engine.errors import MegatronPatchWarning
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, mark, original
 from ....engine.probing import Group, in_scope, module_scopes
 from .. import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
@@ -161,13 +162,11 @@ def get_replica_id(pg_collection):
 # earlier version of this fix) only defect (e) is left: wrap its methods instead of replacing them.
 
 
-def _mimo_class():
-    return importlib.import_module(MODULE).MimoOptimizer
-
-
-@mark(ID)
-def sharded_state_dict_keeping_common_state(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-    out = below(ID, _mimo_class(), "sharded_state_dict")(self, model_sharded_state_dict, is_loading, **kwargs)
+@layer(ID, MODULE, "sharded_state_dict", owner="MimoOptimizer")
+def sharded_state_dict_keeping_common_state(
+    below_us, self, model_sharded_state_dict, is_loading: bool = False, **kwargs
+):
+    out = below_us(self, model_sharded_state_dict, is_loading, **kwargs)
     for name, info in self.module_infos.items():
         if not (info.is_active and info.optimizer) or not isinstance(out.get(name), dict):
             continue
@@ -181,36 +180,36 @@ def sharded_state_dict_keeping_common_state(self, model_sharded_state_dict, is_l
     return out
 
 
-@mark(ID)
-def load_state_dict_keeping_common_state(self, state_dict):
+@layer(ID, MODULE, "load_state_dict", owner="MimoOptimizer")
+def load_state_dict_keeping_common_state(below_us, self, state_dict):
     for name, info in self.module_infos.items():
         module_sd = state_dict.get(name) if isinstance(state_dict, dict) else None
         if info.is_active and info.optimizer and isinstance(module_sd, dict):
             for sub_sd, _inner in _sub_dicts(module_sd, info.optimizer):
                 _restore_common_state(sub_sd)
-    return below(ID, _mimo_class(), "load_state_dict")(self, state_dict)
+    return below_us(self, state_dict)
 
 
 # -- load side (what to request for which stored layout: old_layouts.py) ----------------------
 
 
-@mark(ID)
-def load(*args, **kwargs):
+@layer(ID, LOAD_MODULE, "load")
+def load(below_us, *args, **kwargs):
     """``dist_checkpointing.load`` that also reads the MIMO optimizer layout of unfixed releases."""
-    func = below(ID, LOAD_MODULE, "load")
     try:
-        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound = inspect.signature(below_us).bind(*args, **kwargs)
     except TypeError:
-        return func(*args, **kwargs)  # let the original raise its own error
+        return below_us(*args, **kwargs)  # let the original raise its own error
     # One .metadata read for the decision and the load together (mcore_ckpt_fixes.dcp_metadata).
     with shared_metadata():
         request, finish = align_mimo_optimizer_request(
             bound.arguments["sharded_state_dict"], bound.arguments["checkpoint_dir"]
         )
         bound.arguments["sharded_state_dict"] = request
-        result = func(*bound.args, **bound.kwargs)
+        result = below_us(*bound.args, **bound.kwargs)
     for text in finish(result[0] if isinstance(result, tuple) else result):
-        warnings.warn(f"mcore_ckpt_fixes: {ID}: {text}", MegatronPatchWarning, stacklevel=2)
+        # stacklevel 3: the caller's line, past @layer's frame.
+        warnings.warn(f"mcore_ckpt_fixes: {ID}: {text}", MegatronPatchWarning, stacklevel=3)
     return result
 
 

@@ -20,6 +20,7 @@ import types
 import warnings
 
 from ....engine.errors import MegatronPatchWarning
+from ....engine.layers import layer
 from ....engine.patching import MARK, Patcher, below, is_replacement, original
 from .. import DISTRIB_MODULE, ID, MODULE
 
@@ -152,11 +153,11 @@ def filter_and_reorder_param_groups(current_groups, state_dict_groups):
         return below_us(current_groups, state_dict_groups)
 
 
-def distrib_load_state_dict(self, state_dict):
+@layer(ID, DISTRIB_MODULE, "load_state_dict", owner="DistributedOptimizer")
+def distrib_load_state_dict(below_us, self, state_dict):
     """``DistributedOptimizer.load_state_dict`` matching the checkpoint's parameter groups to the
     optimizer's by the keys that tell them apart (a load request loads the optimizer's own state
     into itself through here too)."""
-    below_us = below(ID, sys.modules[DISTRIB_MODULE].DistributedOptimizer, "load_state_dict")
     inner = state_dict.get("optimizer") if isinstance(state_dict, dict) else None
     saved = inner.get("param_groups") if isinstance(inner, dict) else None
     current = getattr(getattr(self, "optimizer", None), "param_groups", None)
@@ -167,7 +168,6 @@ def distrib_load_state_dict(self, state_dict):
 
 
 setattr(filter_and_reorder_param_groups, MARK, ID)
-setattr(distrib_load_state_dict, MARK, ID)
 STATIC_FILTER = staticmethod(filter_and_reorder_param_groups)
 setattr(STATIC_FILTER, MARK, ID)
 

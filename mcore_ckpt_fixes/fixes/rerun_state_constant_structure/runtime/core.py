@@ -1,5 +1,5 @@
 """rerun-state-constant-structure's monkeypatch on ``megatron.core.rerun_state_machine``:
-``RerunStateMachine.state_dict`` wrapped, the probe and apply. Why: the package's docstring.
+``RerunStateMachine.state_dict`` wrapped, and the probe. Why: the package's docstring.
 Imported only when the target module is.
 """
 
@@ -8,19 +8,19 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from .. import ID, MODULE
 
 CLASS = "RerunStateMachine"
 
 
-@mark(ID)
-def state_dict(self, data_iterator, ckpt_format, force=False):
+@layer(ID, MODULE, "state_dict", owner=CLASS)
+def state_dict(release, self, data_iterator, ckpt_format, force=False):
     """``RerunStateMachine.state_dict`` whose torch_dist structure does not depend on whether a rerun
     is pending: with none pending the release's own full state (``force=True``) with no data
     iterator, which is what a later fault-time save adds to a plan cached from this one."""
     module = sys.modules[MODULE]
-    release = below(ID, getattr(module, CLASS), "state_dict")
     if (
         not force
         and ckpt_format == "torch_dist"
@@ -76,7 +76,3 @@ def probe(module: types.ModuleType):
             "from such a save (--ckpt-assume-constant-structure) drops the fault-time rerun state"
         )
     return False, "RerunStateMachine.state_dict keeps one structure whether a rerun is pending or not"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    patcher.replace(getattr(module, CLASS), "state_dict", state_dict)

@@ -1,6 +1,6 @@
 """rerun-transient-checkpoint's monkeypatch on ``megatron.core.rerun_state_machine``:
-``RerunStateMachine.should_checkpoint_and_exit`` and ``load_state_dict`` wrapped, the probe and
-apply. Why: the package's docstring. Imported only when the target module is.
+``RerunStateMachine.should_checkpoint_and_exit`` and ``load_state_dict`` wrapped, and the probe.
+Why: the package's docstring. Imported only when the target module is.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 import types
 import warnings
 
-from ....engine.patching import Patcher, below, is_replacement, mark, original
+from ....engine.layers import layer
+from ....engine.patching import is_replacement, original
 from .. import ID, MODULE
 
 CLASS = "RerunStateMachine"
@@ -23,13 +24,13 @@ IGNORED = (
 )
 
 
-@mark(ID)
-def should_checkpoint_and_exit(self):
+@layer(ID, MODULE, "should_checkpoint_and_exit", owner=CLASS)
+def should_checkpoint_and_exit(below_us, self):
     """``RerunStateMachine.should_checkpoint_and_exit`` that, where the release asks for a checkpoint
     at a transient fault, first puts the machine back to ``NOT_RUNNING_YET``: the checkpoint then
     holds a state every release resumes from."""
     module = sys.modules[MODULE]
-    out = below(ID, getattr(module, CLASS), "should_checkpoint_and_exit")(self)
+    out = below_us(self)
     if out[0] and self.state == module.RerunState.RERUNNING_IN_PLACE:
         # The in-place rerun is over (the fault was transient and no rerun from a checkpoint is
         # asked for), and the step's RNG snapshot that state needs is never saved: a resumed machine
@@ -49,8 +50,8 @@ def saved_state(entry):
     return sharded.get("state") if isinstance(sharded, dict) else None
 
 
-@mark(ID)
-def load_state_dict(self, state_dict):
+@layer(ID, MODULE, "load_state_dict", owner=CLASS)
+def load_state_dict(below_us, self, state_dict):
     """``RerunStateMachine.load_state_dict`` that ignores, with a warning, a ``RERUNNING_IN_PLACE``
     state an unfixed release saved at a transient fault (the machine stays as the job configured
     it, as for a regular checkpoint); any other entry goes to the release's method."""
@@ -58,9 +59,10 @@ def load_state_dict(self, state_dict):
     if self.mode != module.RerunMode.DISABLED and saved_state(state_dict) == module.RerunState.RERUNNING_IN_PLACE:
         from ....engine.errors import MegatronPatchWarning
 
-        warnings.warn(f"mcore_ckpt_fixes: {ID}: {IGNORED}", MegatronPatchWarning, stacklevel=2)
+        # stacklevel 3: the caller's line, past @layer's frame.
+        warnings.warn(f"mcore_ckpt_fixes: {ID}: {IGNORED}", MegatronPatchWarning, stacklevel=3)
         return None
-    return below(ID, getattr(module, CLASS), "load_state_dict")(self, state_dict)
+    return below_us(self, state_dict)
 
 
 # -- probe: the release's own should_checkpoint_and_exit on an inert stand-in ----------------------
@@ -116,9 +118,3 @@ def probe(module: types.ModuleType):
             "a job resumed from it crashes in _restore_state"
         )
     return False, "RerunStateMachine saves no RERUNNING_IN_PLACE state at a transient fault"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    cls = getattr(module, CLASS)
-    patcher.replace(cls, "should_checkpoint_and_exit", should_checkpoint_and_exit)
-    patcher.replace(cls, "load_state_dict", load_state_dict)

@@ -33,7 +33,8 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import ID
 from .fsdp_dtensor import _own_key, drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -50,14 +51,13 @@ def _dp_cp_rank(func, args, kwargs):
 # -- save side --------------------------------------------------------------------------------------
 
 
-@mark(ID)
-def get_rng_state(*args, **kwargs):
+@layer(ID, MODULE, "get_rng_state")
+def get_rng_state(below_us, *args, **kwargs):
     """Bridge's ``get_rng_state``: ``fsdp_dtensor``, this rank's own entry beside the release's."""
-    func = below(ID, MODULE, "get_rng_state")
-    state = func(*args, **kwargs)
+    state = below_us(*args, **kwargs)
     if fsdp_dtensor_entry(state) is None:
         return state  # torch_dist: Bridge's own layout, per rank under EP already
-    return with_per_rank_entry(state, _dp_cp_rank(func, args, kwargs))
+    return with_per_rank_entry(state, _dp_cp_rank(below_us, args, kwargs))
 
 
 # -- load side --------------------------------------------------------------------------------------
@@ -68,18 +68,18 @@ def _stored_keys(module, checkpoint_name):
     return module._get_filesystem_reader(checkpoint_name).read_metadata().state_dict_metadata
 
 
-@mark(ID)
-def load_fsdp_dtensor_checkpoint(*args, **kwargs):
+@layer(ID, MODULE, "load_fsdp_dtensor_checkpoint")
+def load_fsdp_dtensor_checkpoint(below_us, *args, **kwargs):
     """See :func:`_load_fsdp_dtensor_checkpoint`; one ``.metadata`` read for its decision and the load together
     (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
     with shared_metadata():
-        return _load_fsdp_dtensor_checkpoint(*args, **kwargs)
+        return _load_fsdp_dtensor_checkpoint(below_us, *args, **kwargs)
 
 
-def _load_fsdp_dtensor_checkpoint(*args, **kwargs):
-    """Bridge's ``load_fsdp_dtensor_checkpoint``: ask for this rank's own RNG entry where the
-    checkpoint has one, and hand ``load_checkpoint`` that entry under the key it reads."""
-    func = below(ID, MODULE, "load_fsdp_dtensor_checkpoint")
+def _load_fsdp_dtensor_checkpoint(func, *args, **kwargs):
+    """Bridge's ``load_fsdp_dtensor_checkpoint`` (``func``, what lies below the layer): ask for this
+    rank's own RNG entry where the checkpoint has one, and hand ``load_checkpoint`` that entry under
+    the key it reads."""
     try:
         bound = _bind(func, args, kwargs)
     except TypeError:

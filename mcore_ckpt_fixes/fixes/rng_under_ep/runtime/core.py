@@ -12,7 +12,8 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import ID, MODULE
 from . import fsdp_dtensor
@@ -61,18 +62,17 @@ def _dp_cp_rank_and_size(dp_cp_group):
 # -- save side -------------------------------------------------------------------------------------
 
 
-@mark(ID)
-def get_rng_state(*args, **kwargs):
+@layer(ID, MODULE, "get_rng_state")
+def get_rng_state(below_us, *args, **kwargs):
     """``megatron.training.checkpointing.get_rng_state``, with the RNG state of every rank its own:
     ``torch_dist``, a per-rank ShardedObject; ``fsdp_dtensor``, a per-rank entry beside the release's."""
-    func = below(ID, MODULE, "get_rng_state")
-    state = func(*args, **kwargs)
+    state = below_us(*args, **kwargs)
     if fsdp_dtensor_entry(state) is not None:
-        dp_cp_rank, _ = _dp_cp_rank_and_size(_dp_cp_group_arg(func, args, kwargs))
+        dp_cp_rank, _ = _dp_cp_rank_and_size(_dp_cp_group_arg(below_us, args, kwargs))
         return with_per_rank_entry(state, dp_cp_rank)
     if not _is_rng_object(state) or len(state.global_shape) != 2:
         return state  # torch / torch_dcp: a plain list, left as the release writes it
-    dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(_dp_cp_group_arg(func, args, kwargs))
+    dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(_dp_cp_group_arg(below_us, args, kwargs))
     return dataclasses.replace(
         state,
         global_shape=(*state.global_shape, dp_cp_size),
@@ -84,23 +84,22 @@ def get_rng_state(*args, **kwargs):
 # -- load side (what to request for which stored layout: old_layouts.py) ---------------------------
 
 
-@mark(ID)
-def load_global_dist_base_checkpoint(*args, **kwargs):
+@layer(ID, MODULE, "_load_global_dist_base_checkpoint")
+def load_global_dist_base_checkpoint(below_us, *args, **kwargs):
     """``megatron.training.checkpointing._load_global_dist_base_checkpoint``: request the RNG shard
     in the layout the checkpoint has."""
-    func = below(ID, MODULE, "_load_global_dist_base_checkpoint")
     try:
-        bound = _bind(func, args, kwargs)
+        bound = _bind(below_us, args, kwargs)
     except TypeError:
-        return func(*args, **kwargs)  # let the original raise its own error
+        return below_us(*args, **kwargs)  # let the original raise its own error
     params = bound.arguments
     sharded = params.get("sharded_state_dict")
     template = sharded.get("rng_state") if isinstance(sharded, dict) else None
     if params.get("rank0") or template is None or not _is_rng_object(template) or len(template.global_shape) != 3:
-        return func(*args, **kwargs)
+        return below_us(*args, **kwargs)
     # One .metadata read per rank for the decision and the load together (dcp_metadata).
     with shared_metadata():
-        return _load_aligned(func, bound, template)
+        return _load_aligned(below_us, bound, template)
 
 
 def _load_aligned(func, bound, template):
@@ -113,7 +112,7 @@ def _load_aligned(func, bound, template):
     request, warning = align_rng_request(template, checkpoint_dir)
     old_layout = request is not None and len(request.global_shape) == 2
     if warning is not None and not old_layout:
-        _warn(warning, stacklevel=4)
+        _warn(warning, stacklevel=5)  # the caller's line, past @layer's frame
     if request is template:
         return func(*bound.args, **bound.kwargs)
     sharded = dict(sharded)  # the caller's dict stays as it built it
@@ -163,23 +162,22 @@ def _tell_old_layout(text, template, args, result):
     if own:
         logs.once_per_job("%s (here: this rank's own state, restored as saved)", text)
     else:
-        _warn(text, stacklevel=5)
+        _warn(text, stacklevel=6)  # the caller's line, past @layer's frame
 
 
-@mark(ID)
-def load_base_checkpoint(*args, **kwargs):
+@layer(ID, MODULE, "_load_base_checkpoint")
+def load_base_checkpoint(below_us, *args, **kwargs):
     """``megatron.training.checkpointing._load_base_checkpoint``: after an ``fsdp_dtensor`` load,
     hand load_checkpoint this rank's own RNG entry under the key it looks up (:mod:`.fsdp_dtensor`)."""
-    func = below(ID, MODULE, "_load_base_checkpoint")
     try:
-        sharded = _bind(func, args, kwargs).arguments.get("sharded_state_dict")
+        sharded = _bind(below_us, args, kwargs).arguments.get("sharded_state_dict")
     except TypeError:
         sharded = None
     request = sharded.get("rng_state") if isinstance(sharded, dict) else None
     if request is None or fsdp_dtensor_entry(request) is None:
-        return func(*args, **kwargs)
+        return below_us(*args, **kwargs)
     request = dict(request)  # its keys as asked: the planner may leave this rank's own entry out
-    result = func(*args, **kwargs)
+    result = below_us(*args, **kwargs)
     if not isinstance(result, tuple):
         return result
     warning = restore_own_entry(request, result[0])
@@ -188,7 +186,7 @@ def load_base_checkpoint(*args, **kwargs):
 
         from ....engine.errors import MegatronPatchWarning
 
-        warnings.warn(warning, MegatronPatchWarning, stacklevel=2)
+        warnings.warn(warning, MegatronPatchWarning, stacklevel=3)  # the caller's line, past @layer's frame
     return result
 
 

@@ -37,7 +37,8 @@ import types
 import warnings
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, mark, original
 from ....engine.probing import in_scope, module_scope
 from .. import ID
 from . import fsdp_dtensor
@@ -49,10 +50,10 @@ MODULE = "swift.megatron.utils.megatron_lm_utils"
 FSDP_MODULE = "swift.megatron.utils.megatron_fsdp_checkpoint"
 
 
-def _warn(text):
+def _warn(text, stacklevel=3):
     from ....engine.errors import MegatronPatchWarning
 
-    warnings.warn(text, MegatronPatchWarning, stacklevel=3)
+    warnings.warn(text, MegatronPatchWarning, stacklevel=stacklevel)
 
 
 def _mpu():
@@ -62,11 +63,11 @@ def _mpu():
 # -- save side ---------------------------------------------------------------------------------------
 
 
-@mark(ID)
-def get_rng_state(*args, **kwargs):
+@layer(ID, MODULE, "_get_rng_state")
+def get_rng_state(below_us, *args, **kwargs):
     """``megatron_lm_utils._get_rng_state`` with every rank's RNG state its own: torch_dist, a
     per-rank ShardedObject; fsdp_dtensor, a per-rank entry beside the release's."""
-    state = below(ID, MODULE, "_get_rng_state")(*args, **kwargs)
+    state = below_us(*args, **kwargs)
     mpu = _mpu()
     if fsdp_dtensor_entry(state) is not None:
         return with_per_rank_entry(state, mpu.get_data_parallel_rank(with_context_parallel=True))
@@ -143,13 +144,12 @@ DIST_CHECKPOINTING = mark(ID)(DistCheckpointingModule())
 # -- load side, fsdp_dtensor -------------------------------------------------------------------------
 
 
-@mark(ID)
-def select_rng_state(rng_state, *args, **kwargs):
+@layer(ID, FSDP_MODULE, "select_rng_state")
+def select_rng_state(below_us, rng_state, *args, **kwargs):
     """``megatron_fsdp_checkpoint.select_rng_state``: this rank's own ``(pp, tp, dp_cp)`` entry where
     the checkpoint has it, else the release's shared ``(pp, tp)`` copy with a warning."""
-    func = below(ID, FSDP_MODULE, "select_rng_state")
     if fsdp_dtensor_entry(rng_state) is None:
-        return func(rng_state, *args, **kwargs)
+        return below_us(rng_state, *args, **kwargs)
     mpu = sys.modules[FSDP_MODULE].mpu
     pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
     dp_cp = mpu.get_data_parallel_rank(with_context_parallel=True)
@@ -158,8 +158,8 @@ def select_rng_state(rng_state, *args, **kwargs):
     holder = {"rng_state": rng_state}
     warning = restore_own_entry(request, holder)
     if warning is not None:
-        _warn(warning)
-    return func(holder["rng_state"], *args, **kwargs)
+        _warn(warning, stacklevel=4)  # the caller's line, past @layer's frame
+    return below_us(holder["rng_state"], *args, **kwargs)
 
 
 # -- probe: run ms-swift's own _get_rng_state on stand-ins for what it reads --------------------------

@@ -36,7 +36,8 @@ import sys
 import types
 
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import in_scope, module_scope
 from .. import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
@@ -54,10 +55,6 @@ def _module():
     return sys.modules[MODULE]
 
 
-def _manager():
-    return getattr(_module(), CLASS)
-
-
 def _dp_cp():
     """(rank, size) of this rank in the data-parallel x context-parallel group, as verl reads it."""
     mpu = _module().mpu
@@ -73,21 +70,21 @@ def _is_rng_object(obj) -> bool:
     return isinstance(obj, ShardedObject) and obj.key.endswith("rng_state")
 
 
-def _warn(text):
+def _warn(text, stacklevel=3):
     import warnings
 
     from ....engine.errors import MegatronPatchWarning
 
-    warnings.warn(text, MegatronPatchWarning, stacklevel=3)
+    warnings.warn(text, MegatronPatchWarning, stacklevel=stacklevel)
 
 
 # -- save side (and the load template, which verl builds with the same method) ------------------------
 
 
-@mark(ID)
-def get_rng_state(self, *args, **kwargs):
+@layer(ID, MODULE, "get_rng_state", owner=CLASS)
+def get_rng_state(below_us, self, *args, **kwargs):
     """``MegatronCheckpointManager.get_rng_state`` with every rank's RNG state its own."""
-    state = below(ID, _manager(), "get_rng_state")(self, *args, **kwargs)
+    state = below_us(self, *args, **kwargs)
     if fsdp_dtensor_entry(state) is not None:
         out = with_per_rank_entry(state, _dp_cp()[0])
         stored = _FSDP_LOAD_KEYS.get()
@@ -109,18 +106,18 @@ def get_rng_state(self, *args, **kwargs):
 # -- torch_dist load: extra/dist_ckpt ------------------------------------------------------------------
 
 
-@mark(ID)
-def load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
+@layer(ID, MODULE, "load_dist_checkpointing")
+def load_dist_checkpointing(below_us, sharded_state_dict, ckpt_dir, *args, **kwargs):
     """See :func:`_load_dist_checkpointing`; one ``.metadata`` read for its decision and the load together
     (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
     with shared_metadata():
-        return _load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs)
+        return _load_dist_checkpointing(below_us, sharded_state_dict, ckpt_dir, *args, **kwargs)
 
 
-def _load_dist_checkpointing(sharded_state_dict, ckpt_dir, *args, **kwargs):
-    """``load_dist_checkpointing`` as verl's checkpoint manager calls it: the RNG shard requested in
-    the layout the checkpoint has; every other load passes through unchanged."""
-    func = below(ID, _module(), "load_dist_checkpointing")
+def _load_dist_checkpointing(func, sharded_state_dict, ckpt_dir, *args, **kwargs):
+    """``load_dist_checkpointing`` (``func``, what lies below the layer) as verl's checkpoint manager
+    calls it: the RNG shard requested in the layout the checkpoint has; every other load passes
+    through unchanged."""
     template = sharded_state_dict.get("rng_state") if isinstance(sharded_state_dict, dict) else None
     if not _is_rng_object(template) or len(template.global_shape) != 3:
         return func(sharded_state_dict, ckpt_dir, *args, **kwargs)
@@ -163,18 +160,17 @@ def _stored_keys(checkpoint_dir):
     return set(reader.read_metadata().state_dict_metadata)
 
 
-@mark(ID)
-def load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
+@layer(ID, MODULE, "_load_megatron_fsdp_checkpoint", owner=CLASS)
+def load_megatron_fsdp_checkpoint(below_us, self, local_path, *args, **kwargs):
     """See :func:`_load_megatron_fsdp_checkpoint`; one ``.metadata`` read for its decision and the load together
     (:mod:`mcore_ckpt_fixes.dcp_metadata`)."""
     with shared_metadata():
-        return _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs)
+        return _load_megatron_fsdp_checkpoint(below_us, self, local_path, *args, **kwargs)
 
 
-def _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
-    """``MegatronCheckpointManager._load_megatron_fsdp_checkpoint``, its RNG template built knowing
-    which entries the checkpoint holds."""
-    func = below(ID, _manager(), "_load_megatron_fsdp_checkpoint")
+def _load_megatron_fsdp_checkpoint(func, self, local_path, *args, **kwargs):
+    """``MegatronCheckpointManager._load_megatron_fsdp_checkpoint`` (``func``, what lies below the
+    layer), its RNG template built knowing which entries the checkpoint holds."""
     stored = _stored_keys(_module().get_model_dist_checkpoint_path(local_path))
     token = _FSDP_LOAD_KEYS.set(stored)
     try:
@@ -183,10 +179,9 @@ def _load_megatron_fsdp_checkpoint(self, local_path, *args, **kwargs):
         _FSDP_LOAD_KEYS.reset(token)
 
 
-@mark(ID)
-def load_rng_states(self, rng_states, *args, **kwargs):
+@layer(ID, MODULE, "load_rng_states", owner=CLASS)
+def load_rng_states(below_us, self, rng_states, *args, **kwargs):
     """``MegatronCheckpointManager.load_rng_states``: Megatron-FSDP restores this rank's own entry."""
-    func = below(ID, _manager(), "load_rng_states")
     if getattr(self, "use_megatron_fsdp", False) and fsdp_dtensor_entry(rng_states) is not None:
         pp, tp = fsdp_dtensor_entry(rng_states)
         own = f"({pp}, {tp}, {_dp_cp()[0]})"
@@ -194,13 +189,13 @@ def load_rng_states(self, rng_states, *args, **kwargs):
         if own not in rng_states and stored is not None and _holds(stored, own):
             # Saved with this rank's own entry, which Megatron-Bridge's loader (with this fix's
             # Megatron-Bridge target applied) already handed back under "(pp, tp)".
-            return func(self, rng_states, *args, **kwargs)
+            return below_us(self, rng_states, *args, **kwargs)
         holder = {"rng_state": dict(rng_states)}
         warning = restore_own_entry({f"({pp}, {tp})": None, own: None}, holder)
         if warning is not None:
-            _warn(warning)
+            _warn(warning, stacklevel=4)  # the caller's line, past @layer's frame
         rng_states = holder["rng_state"]
-    return func(self, rng_states, *args, **kwargs)
+    return below_us(self, rng_states, *args, **kwargs)
 
 
 def _holds(stored_keys, entry):

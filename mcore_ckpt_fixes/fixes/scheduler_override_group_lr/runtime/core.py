@@ -1,5 +1,5 @@
 """scheduler-override-group-lr's monkeypatch on ``megatron.core.optimizer_param_scheduler``:
-``OptimizerParamScheduler.__init__`` and ``load_state_dict`` wrapped, the probe and apply. Why: the
+``OptimizerParamScheduler.__init__`` and ``load_state_dict`` wrapped, and the probe. Why: the
 package's docstring. Imported only when the target module is.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import original
 from ....engine.probing import with_globals
 from .. import CLASS, ID, MODULE
 
@@ -36,19 +37,19 @@ def restore_group_lrs(groups, built) -> None:
                 group[key] = value
 
 
-@mark(ID)
-def __init__(self, *args, **kwargs):
+@layer(ID, MODULE, "__init__", owner=CLASS)
+def __init__(below_us, self, *args, **kwargs):
     """``OptimizerParamScheduler.__init__``, then the groups' max_lr / min_lr recorded: the values
     the run's own arguments gave them, before a checkpoint replaces the groups."""
-    below(ID, getattr(sys.modules[MODULE], CLASS), "__init__")(self, *args, **kwargs)
+    below_us(self, *args, **kwargs)
     setattr(self, BUILT, built_group_lrs(self.optimizer))
 
 
-@mark(ID)
-def load_state_dict(self, state_dict):
+@layer(ID, MODULE, "load_state_dict", owner=CLASS)
+def load_state_dict(below_us, self, state_dict):
     """``OptimizerParamScheduler.load_state_dict``; with ``--override-opt-param-scheduler`` each group
     then gets its recorded max_lr / min_lr back and its lr / weight decay from them."""
-    below(ID, getattr(sys.modules[MODULE], CLASS), "load_state_dict")(self, state_dict)
+    below_us(self, state_dict)
     built = getattr(self, BUILT, None)
     groups = self.optimizer.param_groups
     if self.override_opt_param_scheduler and built is not None and len(built) == len(groups):
@@ -108,9 +109,3 @@ def probe(module: types.ModuleType):
             f"(lr {got} where the run's schedule gives {wanted})"
         )
     return False, "--override-opt-param-scheduler sets the loaded param groups' learning rate from the run's schedule"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    cls = module.__dict__[CLASS]
-    patcher.replace(cls, "__init__", __init__)
-    patcher.replace(cls, "load_state_dict", load_state_dict)

@@ -1,6 +1,6 @@
 """torch-adam-step's monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: three wrappers of
-``DistributedOptimizer`` methods, the probe and apply. Why: the package's docstring. Imported only
-when the target module is.
+``DistributedOptimizer`` methods, and the probe. Why: the package's docstring. Imported only when
+the target module is.
 
 Each wrapper hands the call to the release's own method and changes only what torch's per-parameter
 step needs; with Transformer Engine's or Apex's FusedAdam (no per-parameter step) they change nothing.
@@ -11,16 +11,13 @@ from __future__ import annotations
 import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import original
 from ....engine.probing import with_globals
 from .. import ID, MODULE
 
 CLASS = "DistributedOptimizer"
 HYBRID_MODULE = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
-
-
-def _cls():
-    return getattr(sys.modules[MODULE], CLASS)
 
 
 def _torch_adam() -> bool:
@@ -55,12 +52,12 @@ def _step_state(self, model_param):
     return self.optimizer.state.get(shard)
 
 
-@mark(ID)
-def state_dict(self):
+@layer(ID, MODULE, "state_dict", owner=CLASS)
+def state_dict(below_us, self):
     """``DistributedOptimizer.state_dict``; on torch's Adam before its first step (no parameter has
     state yet) the param groups say step 0, where the release asserts that one step exists."""
     if not _torch_adam() or len(self.optimizer.state) > 0:
-        return below(ID, _cls(), "state_dict")(self)
+        return below_us(self)
     inner = self.optimizer.state_dict()
     out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
     for group in out["optimizer"]["param_groups"]:
@@ -71,8 +68,8 @@ def state_dict(self):
     return out
 
 
-@mark(ID)
-def set_main_param_and_optimizer_states(self, model_param, tensors):
+@layer(ID, MODULE, "_set_main_param_and_optimizer_states", owner=CLASS)
+def set_main_param_and_optimizer_states(below_us, self, model_param, tensors):
     """``DistributedOptimizer._set_main_param_and_optimizer_states`` that leaves the parameter's
     step as it is: ``load_state_dict`` has just set it from the checkpoint's param groups, and the
     loaded per-parameter state has none (fully_reshardable, fully_sharded_model_space) or the one
@@ -82,16 +79,16 @@ def set_main_param_and_optimizer_states(self, model_param, tensors):
     if step is not None and hasattr(step, "copy_"):
         # The release copies ``tensors[k]`` into every tensor of the state: the step onto itself.
         tensors = {**tensors, "step": step}
-    return below(ID, _cls(), "_set_main_param_and_optimizer_states")(self, model_param, tensors)
+    return below_us(self, model_param, tensors)
 
 
-@mark(ID)
-def load_state_dict(self, state_dict):
+@layer(ID, MODULE, "load_state_dict", owner=CLASS)
+def load_state_dict(below_us, self, state_dict):
     """``DistributedOptimizer.load_state_dict``, then every parameter owns its step tensor (the
     release gives all of them one tensor, which torch's Adam would increment once per parameter),
     and torch's param groups hold no step: it only carried the checkpoint's into each parameter's
     state; torch's Adam keeps none in its groups, and one left there would stay at the loaded value."""
-    result = below(ID, _cls(), "load_state_dict")(self, state_dict)
+    result = below_us(self, state_dict)
     if _torch_adam():
         own_step_tensors(self.optimizer.state.values())
         for group in self.optimizer.param_groups:
@@ -205,10 +202,3 @@ def probe(module: types.ModuleType):
         else "(a)-(c) reached only on torch's Adam (this installation imports a FusedAdam), (d) with CPU offload"
     )
     return True, f"DistributedOptimizer on torch's Adam: {'; '.join(found)} ({where})"
-
-
-def apply(module: types.ModuleType, patcher: Patcher) -> None:
-    cls = module.__dict__[CLASS]
-    patcher.replace(cls, "state_dict", state_dict)
-    patcher.replace(cls, "_set_main_param_and_optimizer_states", set_main_param_and_optimizer_states)
-    patcher.replace(cls, "load_state_dict", load_state_dict)

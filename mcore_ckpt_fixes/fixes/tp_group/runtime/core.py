@@ -9,7 +9,8 @@ import contextvars
 import sys
 import types
 
-from ....engine.patching import Patcher, below, mark, original
+from ....engine.layers import layer
+from ....engine.patching import Patcher, original
 from ....engine.probing import in_scope, module_scope
 from .. import ID, LAYER, MIXER, RADIO
 
@@ -23,7 +24,8 @@ _SIGNATURES: dict = {}
 
 
 def _pg_collection(init, self, args, kwargs):
-    """The ``pg_collection`` argument of a constructor call, wherever the release puts it."""
+    """The ``pg_collection`` argument of a constructor call, wherever the release's ``init`` (whose
+    signature callers follow, whatever layers sit on it) puts it."""
     sig = _SIGNATURES.get(init)
     if sig is None:
         import inspect
@@ -39,19 +41,17 @@ def _pg_collection(init, self, args, kwargs):
 # -- replacements (plain module-level functions: picklable by reference) ----------------------
 
 
-@mark(ID)
-def mamba_layer_init(self, *args, **kwargs):
-    init = original(_cls(LAYER, "MambaLayer"), "__init__")
-    init(self, *args, **kwargs)
-    pg = _pg_collection(init, self, args, kwargs)
+@layer(ID, LAYER, "__init__", owner="MambaLayer")
+def mamba_layer_init(below_us, self, *args, **kwargs):
+    below_us(self, *args, **kwargs)
+    pg = _pg_collection(original(_cls(LAYER, "MambaLayer"), "__init__"), self, args, kwargs)
     if pg is not None and getattr(self, "tp_group", None) is None:
         self.tp_group = pg.tp
 
 
-@mark(ID)
-def mamba_mixer_init(self, *args, **kwargs):
-    init = original(_cls(MIXER, "MambaMixer"), "__init__")
-    init(self, *args, **kwargs)
+@layer(ID, MIXER, "__init__", owner="MambaMixer")
+def mamba_mixer_init(below_us, self, *args, **kwargs):
+    below_us(self, *args, **kwargs)
     norm = getattr(self, "norm", None)
     group = getattr(self, "tp_group", None)
     if norm is not None and group is not None and type(norm).__name__ == "ExtendedRMSNorm":
@@ -59,18 +59,18 @@ def mamba_mixer_init(self, *args, **kwargs):
             norm.tp_group = group
 
 
-@mark(ID)
-def mamba_mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+@layer(ID, MIXER, "sharded_state_dict", owner="MambaMixer")
+def mamba_mixer_sharded_state_dict(below_us, self, prefix="", sharded_offsets=(), metadata=None):
     dp_cp = metadata.get("dp_cp_group") if isinstance(metadata, dict) else None
     token = _MIXER_GROUPS.set((getattr(self, "tp_group", None), dp_cp))
     try:
-        return below(ID, _cls(MIXER, "MambaMixer"), "sharded_state_dict")(self, prefix, sharded_offsets, metadata)
+        return below_us(self, prefix, sharded_offsets, metadata)
     finally:
         _MIXER_GROUPS.reset(token)
 
 
-@mark(ID)
-def mixer_make_sharded_tensors_for_checkpoint(*args, **kwargs):
+@layer(ID, MIXER, "make_sharded_tensors_for_checkpoint")
+def mixer_make_sharded_tensors_for_checkpoint(below_us, *args, **kwargs):
     """Bound as ``megatron.core.ssm.mamba_mixer.make_sharded_tensors_for_checkpoint`` only."""
     groups = _MIXER_GROUPS.get()
     if groups is not None:
@@ -79,29 +79,28 @@ def mixer_make_sharded_tensors_for_checkpoint(*args, **kwargs):
             kwargs["tp_group"] = tp_group
         if kwargs.get("dp_cp_group") is None and dp_cp_group is not None:
             kwargs["dp_cp_group"] = dp_cp_group
-    return below(ID, MIXER, "make_sharded_tensors_for_checkpoint")(*args, **kwargs)
+    return below_us(*args, **kwargs)
 
 
-@mark(ID)
-def radio_vit_init(self, *args, **kwargs):
-    init = original(_cls(RADIO, "RADIOViTModel"), "__init__")
-    pg = _pg_collection(init, self, args, kwargs)
+@layer(ID, RADIO, "__init__", owner="RADIOViTModel")
+def radio_vit_init(below_us, self, *args, **kwargs):
+    pg = _pg_collection(original(_cls(RADIO, "RADIOViTModel"), "__init__"), self, args, kwargs)
     token = _RADIO_TP_GROUP.set(pg.tp if pg is not None else None)
     try:
-        init(self, *args, **kwargs)
+        below_us(self, *args, **kwargs)
     finally:
         _RADIO_TP_GROUP.reset(token)
     if pg is not None and getattr(self, "tp_group", None) is None:
         self.tp_group = pg.tp
 
 
-@mark(ID)
-def radio_column_parallel_linear(*args, **kwargs):
+@layer(ID, RADIO, "ColumnParallelLinear")
+def radio_column_parallel_linear(below_us, *args, **kwargs):
     """Bound as ``megatron.core.models.vision.radio.ColumnParallelLinear`` only: builds the real class."""
     group = _RADIO_TP_GROUP.get()
     if group is not None and kwargs.get("tp_group") is None:
         kwargs["tp_group"] = group
-    return below(ID, RADIO, "ColumnParallelLinear")(*args, **kwargs)
+    return below_us(*args, **kwargs)
 
 
 def _cls(module_name: str, name: str):
