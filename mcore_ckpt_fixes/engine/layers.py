@@ -23,7 +23,8 @@ SPOT = "__mcore_ckpt_layer__"
 
 def layer(fix_id: str, module: str, name: str, owner: str = None):
     """Declare the decorated ``fn(below, *args, **kwargs)`` as ``fix_id``'s layer on
-    ``module[.owner].name``. Its signature, as callers see it, is ``(*args, **kwargs)``."""
+    ``module[.owner].name``. Callers (and a layer above that reads what lies below it with
+    ``inspect.signature``) see ``fn``'s signature without its first parameter."""
 
     def declare(fn):
         def replacement(*args, **kwargs):
@@ -31,11 +32,19 @@ def layer(fix_id: str, module: str, name: str, owner: str = None):
 
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             setattr(replacement, attr, getattr(fn, attr))
+        replacement.__signature__ = _without_first(fn)
         setattr(replacement, MARK, fix_id)
         setattr(replacement, SPOT, (module, owner, name))
         return replacement
 
     return declare
+
+
+def _without_first(fn):
+    import inspect  # runtime modules load with their Megatron target, which has imported it already
+
+    signature = inspect.signature(fn)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _owner(module: str, owner):
