@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import needs_megatron_training, resume_fail_text
+from conftest import needs_megatron_training, on_this_line, resume_fail_text
 
 from mcore_ckpt_fixes.doctor import inspect
 from mcore_ckpt_fixes.resume import check
@@ -23,7 +23,11 @@ from mcore_ckpt_fixes.resume.configs import by_name
 FINISHED_LAST = "no .metadata, no metadata.json (the save stopped before its coordinator finished)"
 
 
-@pytest.mark.parametrize("name", ["gpt-pp2", "moe-ep2"])
+# On 0.19 and 0.17 (CI's time: 0.18 writes in 0.17's order, common.pt first).
+NAMES = [n for n in ("gpt-pp2", "moe-ep2") if on_this_line(n, {"gpt-pp2": ((0, 17),), "moe-ep2": ((0, 17),)})]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint_to_resume_from_exactly(name, tmp_path):
     needs_megatron_training()
     cfg = by_name(name)
