@@ -33,8 +33,16 @@ runs only in test, selftest and benchmark processes, the worlds' entry points: `
 a fix's declaration, ``runtime/`` or ``diff/``, the doctor or the CLI. Their own underscore members
 (``_cpu_shims._x``) follow the rule like any other module's.
 
-``PENDING`` lists the uses left while each fix's ``runtime/`` is rewritten elsewhere; it only
-shrinks (``test_pending_is_not_stale``).
+Exceptions, each a use of or from a fix's ``runtime/``, kept for good (``test_exceptions_are_not_stale``
+checks each is still a use and still has its reason):
+
+* ``CARRIED_BY_DIFFS``: the runtime's helper is text the source diffs carry verbatim into
+  Megatron's own module (``patches/<fix>/*.patch``, generated from it and committed): its name is in
+  those patches, and a rename would change them. Another runtime module of the fix, or a test of the
+  helper, uses it under that name.
+* ``FRAMEWORK_NAMES``: a replacement keeps the name of the framework's private function it stands
+  for (fsdp-dtensor-pp-guard's ``_load_checkpoint_from_path`` on Megatron-Bridge), and a test checks
+  the framework binds it.
 """
 
 from __future__ import annotations
@@ -61,60 +69,39 @@ TEST_ONLY = (
     "benchmarks/*",
 )
 
-# (using file, name) -> why it stays for now. Only uses whose using or defining module is a fix's
-# runtime/ (being converted to a decorator elsewhere, not to be edited meanwhile): each goes when that
-# runtime/ is free to edit, by making the name public in its defining module.
-SHARED = "shared by two runtime/ modules of the fix: public in the defining one"
-VERBATIM = "shared by two runtime/ modules; the source diffs carry the name verbatim (patches/): rename with them"
-REACHED = "a test reaches into runtime/: public there where it is a unit, else test through probe/apply"
-UPSTREAM = "the replacement keeps the name of Bridge's private function it stands for (the test checks it is bound)"
+# Permanent exceptions: (using file, name) -> why the name keeps its underscore. Each involves a fix's
+# runtime/ and is tested to still hold (test_exceptions_are_not_stale).
 RUNTIME = "mcore_ckpt_fixes/fixes/{}/runtime/{}.py"
 TESTS = "tests/fixes/test_{}.py"
-PENDING: dict[tuple[str, str], str] = {
-    (RUNTIME.format("dtensor_placement", "core"), "_dtensor_shard_for_checkpoint"): VERBATIM,
-    (RUNTIME.format("expert_keys", "bridge"), "_preprocess_through"): SHARED,
-    (RUNTIME.format("expert_keys", "old_layouts"), "_ep_size_and_rank"): VERBATIM,
-    (RUNTIME.format("mimo_optimizer", "core"), "_extract_common_state"): VERBATIM,
-    (RUNTIME.format("mimo_optimizer", "core"), "_restore_common_state"): VERBATIM,
-    (RUNTIME.format("mimo_optimizer", "core"), "_mimo_sharded_leaves"): VERBATIM,
-    (RUNTIME.format("rng_under_ep", "bridge"), "_own_key"): SHARED,
-    (RUNTIME.format("rng_under_ep", "bridge"), "_Delegate"): SHARED,
-    (RUNTIME.format("rng_under_ep", "bridge"), "_bind"): SHARED,
-    (RUNTIME.format("rng_under_ep", "ms_swift"), "_Delegate"): SHARED,
-    (RUNTIME.format("rng_under_ep", "ms_swift"), "_ProbeMpu"): SHARED,
-    (RUNTIME.format("rng_under_ep", "ms_swift"), "_is_rng_object"): SHARED,
-    (RUNTIME.format("rng_under_ep", "verl"), "_Delegate"): SHARED,
-    (RUNTIME.format("rng_under_ep", "verl"), "_ProbeMpu"): SHARED,
-    (
-        "mcore_ckpt_fixes/fixes/fsdp2_swiglu_split/checks/core.py",
-        "_release_method",
-    ): "the fix's checks reach into runtime/",
-    (TESTS.format("chained_optim_main_params_split"), "_state_dicts_by_own_chunks"): REACHED,
-    (TESTS.format("dist_optim_state"), "_release_method"): REACHED,
-    (TESTS.format("dist_optim_state"), "_bind"): REACHED,
-    (TESTS.format("dist_optim_state"), "_names_no_format"): REACHED,
-    (TESTS.format("dp_reshardable_padding"), "_stand_in"): REACHED,
-    (TESTS.format("dp_reshardable_padding"), "_pad_to_unpadded_bucket_ends"): REACHED,
-    (TESTS.format("dp_reshardable_padding"), "_release_method"): REACHED,
-    (TESTS.format("dtensor_placement"), "_TAG_REQUIRED"): REACHED,
-    (TESTS.format("fsdp2_swiglu_split"), "_bind_mapping"): REACHED,
-    (TESTS.format("fsdp2_swiglu_split"), "_swiglu_factory_for_dtensor_shard"): REACHED,
-    (TESTS.format("fsdp_dtensor_pp_guard"), "_refuse_fsdp_dtensor_pipeline_change"): REACHED,
-    (TESTS.format("fully_reshardable_buckets"), "_as_the_buffer"): REACHED,
-    (TESTS.format("fully_reshardable_buckets"), "_bucket_shifts"): REACHED,
-    (TESTS.format("hybrid_optimizer_common_state"), "_allowing_optimizer_classes"): REACHED,
-    (TESTS.format("legacy_save_writers"), "_ANSWER"): REACHED,
-    (TESTS.format("load_main_params_substring_match"), "_state_dict_keys_naming"): REACHED,
-    (TESTS.format("load_main_params_substring_match"), "_Chunk"): REACHED,
-    (TESTS.format("load_main_params_substring_match"), "_Tensor"): REACHED,
-    (TESTS.format("load_main_params_substring_match"), "_release_method"): REACHED,
-    (TESTS.format("param_group_identity"), "_param_group_identifier_keys_for"): REACHED,
-    (TESTS.format("param_group_identity"), "_matching_by"): REACHED,
-    (TESTS.format("torch_adam_step"), "_stand_in"): REACHED,
-    (TESTS.format("torch_adam_step"), "_release_method"): REACHED,
-    ("tests/frameworks/test_bridge_pp_guard.py", "_load_checkpoint_from_path"): UPSTREAM,
-    ("tests/frameworks/test_bridge_pp_guard.py", "_refuse_fsdp_dtensor_pipeline_change"): REACHED,
+# The runtime's helper is text a committed source diff carries verbatim (patches/<fix>/*.patch are
+# generated from the runtime's replacement sections and checked byte for byte; in Megatron's own
+# module the helper is private): renaming it would change the committed diffs. (using file, name) ->
+# the fix's folder under patches/, whose diffs must still hold the name.
+CARRIED_BY_DIFFS: dict[tuple[str, str], str] = {
+    (RUNTIME.format("dtensor_placement", "core"), "_dtensor_shard_for_checkpoint"): "dtensor-placement",
+    (RUNTIME.format("expert_keys", "old_layouts"), "_ep_size_and_rank"): "expert-keys",
+    (RUNTIME.format("mimo_optimizer", "core"), "_extract_common_state"): "mimo-optimizer",
+    (RUNTIME.format("mimo_optimizer", "core"), "_restore_common_state"): "mimo-optimizer",
+    (RUNTIME.format("mimo_optimizer", "core"), "_mimo_sharded_leaves"): "mimo-optimizer",
+    (TESTS.format("chained_optim_main_params_split"), "_state_dicts_by_own_chunks"): "chained-optim-main-params-split",
+    (TESTS.format("dp_reshardable_padding"), "_pad_to_unpadded_bucket_ends"): "dp-reshardable-padding",
+    (TESTS.format("fsdp2_swiglu_split"), "_swiglu_factory_for_dtensor_shard"): "fsdp2-swiglu-split",
+    (TESTS.format("fsdp_dtensor_pp_guard"), "_refuse_fsdp_dtensor_pipeline_change"): "fsdp-dtensor-pp-guard",
+    (TESTS.format("hybrid_optimizer_common_state"), "_allowing_optimizer_classes"): "hybrid-optimizer-common-state",
+    (TESTS.format("load_main_params_substring_match"), "_state_dict_keys_naming"): "load-main-params-substring-match",
+    (TESTS.format("param_group_identity"), "_param_group_identifier_keys_for"): "param-group-identity",
+    ("tests/frameworks/test_bridge_pp_guard.py", "_refuse_fsdp_dtensor_pipeline_change"): "fsdp-dtensor-pp-guard",
 }
+# The runtime's replacement keeps the name of the framework's private function it stands for (a
+# layer is bound where the framework binds that name; the test checks it is): (using file, name) ->
+# why. The defining runtime module must still name the framework's attribute (the string).
+FRAMEWORK_NAMES: dict[tuple[str, str], str] = {
+    ("tests/frameworks/test_bridge_pp_guard.py", "_load_checkpoint_from_path"): (
+        "fsdp-dtensor-pp-guard's layer on Megatron-Bridge's private _load_checkpoint_from_path keeps its name"
+        " (setup.py binds it by that name); the test checks both bindings hold the replacement"
+    ),
+}
+EXCEPTIONS = {**CARRIED_BY_DIFFS, **FRAMEWORK_NAMES}
 
 ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr", "object"}
 SPEC = re.compile(r"^[A-Za-z_][\w.]*(:[\w.]+)?$")
@@ -420,22 +407,54 @@ def in_runtime(module: str) -> bool:
 
 
 def test_no_underscore_name_is_used_from_another_module():
-    found = [u for u in repository_uses() if (u.path, u.name) not in PENDING]
+    found = [u for u in repository_uses() if (u.path, u.name) not in EXCEPTIONS]
     assert not found, (
         "underscore names used outside the module that defines them (make the name public there,"
         " or test through the public API):\n" + "\n".join(map(str, found))
     )
 
 
-def test_pending_is_not_stale():
-    """Every pending entry is still a use, and concerns a fix's runtime/: the list only shrinks."""
+def in_a_committed_patch(fix: str, name: str) -> bool:
+    """Is ``name`` (as a word) in one of ``patches/<fix>/*.patch``?"""
+    folder = os.path.join(ROOT, "patches", fix)
+    word = re.compile(rf"(?<!\w){re.escape(name)}(?!\w)")
+    for patch in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if patch.endswith(".patch"):
+            with open(os.path.join(folder, patch), encoding="utf-8") as f:
+                if word.search(f.read()):
+                    return True
+    return False
+
+
+def names_as_string(module: str, name: str) -> bool:
+    """Does ``module`` (dotted) hold the string ``name`` (the framework attribute it replaces)?"""
+    with open(os.path.join(ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(tree))
+
+
+def test_exceptions_are_not_stale():
+    """Every exception is still a use of or from a fix's runtime/, for its reason still: a name
+    carried by the diffs is still in that fix's committed patches; a framework's own private name is
+    still the attribute the defining runtime module names."""
+    assert not in_a_committed_patch("dtensor-placement", "_dtensor_shard")  # a word, not a part of one
     found = {(u.path, u.name): u for u in repository_uses()}
-    stale = sorted(f"{path} {name}" for path, name in PENDING if (path, name) not in found)
-    assert not stale, "PENDING names uses that are gone (remove them): " + ", ".join(stale)
+    stale = sorted(f"{path} {name}" for path, name in EXCEPTIONS if (path, name) not in found)
+    assert not stale, "exceptions that are no longer uses (remove them): " + ", ".join(stale)
     outside = sorted(
-        f"{path} {name}" for path, name in PENDING if not (in_runtime(path) or in_runtime(found[path, name].module))
+        f"{path} {name}" for path, name in EXCEPTIONS if not (in_runtime(path) or in_runtime(found[path, name].module))
     )
-    assert not outside, "PENDING may only hold uses of or from a fix's runtime/: " + ", ".join(outside)
+    assert not outside, "exceptions may only hold uses of or from a fix's runtime/: " + ", ".join(outside)
+    uncarried = sorted(
+        f"{path} {name} (patches/{fix})"
+        for (path, name), fix in CARRIED_BY_DIFFS.items()
+        if not in_a_committed_patch(fix, name)
+    )
+    assert not uncarried, "no committed patch carries these names any more (rename them): " + ", ".join(uncarried)
+    unnamed = sorted(
+        f"{path} {name}" for path, name in FRAMEWORK_NAMES if not names_as_string(found[path, name].module, name)
+    )
+    assert not unnamed, "the runtime no longer names the framework's attribute: " + ", ".join(unnamed)
 
 
 def write(root, files: dict):

@@ -85,11 +85,12 @@ def test_calls_it_does_not_recognise_go_to_the_release():
     """A call the release's signature rejects is handed over as it came (the release raises its own
     TypeError), and a call that names its format keeps it."""
     import megatron.core.optimizer.distrib_optimizer as m
+    from mcore_ckpt_fixes.engine.patching import original
     from mcore_ckpt_fixes.fixes.dist_optim_state.runtime import core
 
-    release = core._release_method(m.DistributedOptimizer, "sharded_state_dict")
-    assert core._bind(release, (object(),), {"no_such_argument": 1}) is None
-    named = core._bind(release, (object(), {}), {"metadata": {"distrib_optim_sharding_type": "fully_reshardable"}})
-    assert not core._names_no_format(named)
-    assert core._names_no_format(core._bind(release, (object(), {}), {}))
-    assert not core._names_no_format(core._bind(release, (object(), {}), {"sharding_type": "dp_reshardable"}))
+    release = original(m.DistributedOptimizer, "sharded_state_dict")
+    assert core.bound_call(release, (object(),), {"no_such_argument": 1}) is None
+    named = core.bound_call(release, (object(), {}), {"metadata": {"distrib_optim_sharding_type": "fully_reshardable"}})
+    assert not core.names_no_format(named)
+    assert core.names_no_format(core.bound_call(release, (object(), {}), {}))
+    assert not core.names_no_format(core.bound_call(release, (object(), {}), {"sharding_type": "dp_reshardable"}))

@@ -115,12 +115,13 @@ def _described(rank, world, buckets):
     pieces: per bucket, this rank's pieces as (offset, length)."""
     import megatron.core.optimizer.distrib_optimizer as m
 
+    from mcore_ckpt_fixes.engine.patching import original
     from mcore_ckpt_fixes.fixes.dp_reshardable_padding.runtime import core
 
-    standin = core._stand_in(rank, buckets, world=world)
+    standin = core.optimizer_stand_in(rank, buckets, world=world)
     state = standin.get_parameter_state_dp_reshardable()
     standin.get_parameter_state_dp_reshardable = lambda: core._pad_to_unpadded_bucket_ends(standin, state)
-    described = core._release_method(m.DistributedOptimizer, core.METHOD)(standin, {}, False)
+    described = original(m.DistributedOptimizer, core.METHOD)(standin, {}, False)
     return [[(offset, length) for offset, length, _ in bucket] for bucket in core.pieces(described)]
 
 

@@ -83,7 +83,7 @@ def test_status_applied(mcore_version):
     assert "offset (0, 0)" in row["targets"][dp.UTILS]["reason"]
     assert mu.make_tp_sharded_tensor_for_checkpoint is dp.make_tp_sharded_tensor_for_checkpoint
     # 0.19 enters the DTensor branch only for tensors Megatron's FSDP2 wrapper tagged; the fix keeps that.
-    assert dp._TAG_REQUIRED == dict.fromkeys((dp.TP_HELPER, dp.HELPER), mcore_version.release[:2] >= (0, 19))
+    assert dp.TAG_REQUIRED == dict.fromkeys((dp.TP_HELPER, dp.HELPER), mcore_version.release[:2] >= (0, 19))
 
 
 # -- round trips -------------------------------------------------------------------------------

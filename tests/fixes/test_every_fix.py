@@ -54,36 +54,10 @@ with open(os.path.join(ROOT, "tools", "sweep-releases.txt")) as _f:
 # Probes that judge what is in the module now, not the release's object (``original``): once the fix
 # is applied they judge its own replacement. The engine's states stay right (it probes a target
 # before applying to it), but a probe must judge the release's code whenever it is called.
-PROBE_READS_THE_FIX = {
-    ("tp-group", "megatron.core.ssm.mamba_layer"): (
-        ">=0.16.0,<0.19.0",
-        "probe_mamba_layer builds module.MambaLayer, the fix's replacement once applied: then it says False",
-    ),
-    ("dtensor-placement", "megatron.core.utils"): (
-        ">=0.16.0,<=0.19.2",
-        "_call_helper calls the helper bound in the module (0.16+, whose helpers take process groups; "
-        "0.12-0.15 run original()), the fix's replacement once applied: then probe_utils says False",
-    ),
-    ("mimo-optimizer", "megatron.core.models.mimo.optimizer"): (
-        ">=0.17.0,<=0.19.2",
-        "_save_side_problems runs MimoOptimizer's current methods, the fix's once applied: then the "
-        "probe reports the load side only",
-    ),
-}
+PROBE_READS_THE_FIX: dict = {}  # none left: each probe runs original(...) of what its fix replaces
 # Probes that judge other code than what their apply replaces: handed the release's module with that
 # reworked (another signature that raises), they still say True, and apply would replace it.
-REWORKED_STILL_PATCHED = {
-    ("param-group-identity", "megatron.core.optimizer.distrib_optimizer"): (
-        ">=0.16.0,<=0.19.2",
-        "probe_distrib checks that DistributedOptimizer.load_state_dict exists, then judges "
-        "megatron.core.optimizer.optimizer; apply_distrib replaces load_state_dict whatever it is",
-    ),
-    ("fsdp-dtensor-pp-guard", "megatron.training.checkpointing"): (
-        ">=0.17.0,<=0.19.2",
-        "probe checks that _load_base_checkpoint exists and judges the layer naming; apply wraps "
-        "_load_base_checkpoint whatever it is",
-    ),
-}
+REWORKED_STILL_PATCHED: dict = {}  # none left: each probe judges the code its apply replaces
 # Affected releases on which no declared round trip shows the bug (selftest has nothing to run there).
 UNSHOWN = {
     "dist-optim-mixed-dtype-order": (

@@ -91,7 +91,7 @@ def _rank_factory(mlp, full_local, tp_rank, tp, dp_rank, dp, expert):
 
     from mcore_ckpt_fixes.fixes.fsdp2_swiglu_split.runtime import core
 
-    core._bind_mapping()
+    core.bind_mapping_globals()
     rows = full_local.shape[0] // dp
     local = full_local[dp_rank * rows : (dp_rank + 1) * rows]
     param = DTensor.from_local(local, _mesh(dp_rank, dp), [Shard(0)], run_check=False)
@@ -156,7 +156,7 @@ def test_the_release_keeps_what_the_fix_does_not_recognise(mcore_version):
     from mcore_ckpt_fixes.engine.patching import original
     from mcore_ckpt_fixes.fixes.fsdp2_swiglu_split.runtime import core
 
-    core._bind_mapping()
+    core.bind_mapping_globals()
     fix = core._swiglu_factory_for_dtensor_shard
     local = torch.randn(12, 3)
     sh = ShardedTensor.from_rank_offsets("fc1", local, (0, 1, 2), replica_id=(0, 0, 0))

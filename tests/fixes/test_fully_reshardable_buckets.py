@@ -70,9 +70,9 @@ def test_world_tensors_laid_out_as_the_buffer():
 
     import torch
 
-    from mcore_ckpt_fixes.fixes.fully_reshardable_buckets.runtime.core import _as_the_buffer, _bucket_shifts
+    from mcore_ckpt_fixes.fixes.fully_reshardable_buckets.runtime.core import bucket_shifts, laid_out_as_the_buffer
 
     bucket = types.SimpleNamespace
     buffer = types.SimpleNamespace(buckets=[bucket(offset=0, numel_unpadded=3), bucket(offset=4, numel_unpadded=2)])
-    assert _bucket_shifts(buffer) == [0, -1]
-    assert _as_the_buffer(buffer, torch.tensor([1.0, 2, 3, 4, 5])).tolist() == [1, 2, 3, 0, 4, 5]
+    assert bucket_shifts(buffer) == [0, -1]
+    assert laid_out_as_the_buffer(buffer, torch.tensor([1.0, 2, 3, 4, 5])).tolist() == [1, 2, 3, 0, 4, 5]

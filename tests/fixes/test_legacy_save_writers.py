@@ -54,7 +54,7 @@ def test_the_view_answers_only_inside_a_save_in_its_own_context():
     real = types.SimpleNamespace(get_expert_data_parallel_rank=lambda: 0, get_data_parallel_rank=lambda: 0)
     view = core.ElectedWriterView(real)
     seen = {"before": view.get_expert_data_parallel_rank()}
-    token = core._ANSWER.set(1)  # what save_checkpoint sets on a rank not elected to write its file
+    token = core.ELECTED_WRITER_ANSWER.set(1)  # what save_checkpoint sets on a rank not elected to write its file
     try:
         seen["saving"] = view.get_expert_data_parallel_rank()
         seen["other"] = view.get_data_parallel_rank()
@@ -62,6 +62,6 @@ def test_the_view_answers_only_inside_a_save_in_its_own_context():
         t.start()
         t.join()
     finally:
-        core._ANSWER.reset(token)
+        core.ELECTED_WRITER_ANSWER.reset(token)
     seen["after"] = view.get_expert_data_parallel_rank()
     assert seen == {"before": 0, "saving": 1, "other": 0, "thread": 0, "after": 0}, seen

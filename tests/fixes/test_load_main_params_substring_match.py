@@ -81,16 +81,17 @@ def test_replacement_maps_as_the_release_where_it_maps(mcore_version, layout):
         pytest.skip(f"Megatron-Core {mcore_version} is outside {FIX.affected}")
     import megatron.core.optimizer.distrib_optimizer as m
 
+    from mcore_ckpt_fixes.engine.patching import original
     from mcore_ckpt_fixes.fixes.load_main_params_substring_match.runtime import core
 
     names = ["embedding.weight", "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]
     opt = object.__new__(m.DistributedOptimizer)
     if layout == "prefixed_keys":
-        opt.model_chunks = [core._Chunk(names)]
-        state_dict = {"model": {f"module.{n}": core._Tensor() for n in names}}
+        opt.model_chunks = [core.ProbeModelChunk(names)]
+        state_dict = {"model": {f"module.{n}": core.ProbeTensor() for n in names}}
     else:
-        opt.model_chunks = [core._Chunk(names), core._Chunk(names)]
-        state_dict = {f"model{i}": {n: core._Tensor() for n in names} for i in range(2)}
-    release = core._release_method(m.DistributedOptimizer)(opt, state_dict)
+        opt.model_chunks = [core.ProbeModelChunk(names), core.ProbeModelChunk(names)]
+        state_dict = {f"model{i}": {n: core.ProbeTensor() for n in names} for i in range(2)}
+    release = original(m.DistributedOptimizer, core.METHOD)(opt, state_dict)
     assert len(release) == len(names) * len(opt.model_chunks)
     assert core.build_model_param_to_state_dict_param_map(opt, state_dict) == release

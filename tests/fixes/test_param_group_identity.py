@@ -193,7 +193,7 @@ def test_chosen_keys_are_the_loading_context_s_only(mcore_version):
     inside, done = threading.Event(), threading.Event()
 
     def loading():
-        with core._matching_by(release + ("chosen",)):
+        with core.matching_by_keys(release + ("chosen",)):
             seen["loading"] = tuple(m.param_group_identifier_keys)
             inside.set()
             done.wait(30)

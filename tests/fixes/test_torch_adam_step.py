@@ -112,13 +112,13 @@ def test_probe_leaves_the_live_flag_alone(monkeypatch):
 
     monkeypatch.setattr(m, "HAVE_APEX_OR_TE", True)
     seen = []
-    stand_in = core._stand_in
+    stand_in = core.optimizer_stand_in
 
     def watching(*args, **kwargs):  # called while the probe runs the release's methods
         seen.append(m.HAVE_APEX_OR_TE)
         return stand_in(*args, **kwargs)
 
-    monkeypatch.setattr(core, "_stand_in", watching)
+    monkeypatch.setattr(core, "optimizer_stand_in", watching)
     assert [d[:3] for d in core.defects(m)] == ["(a)", "(b)", "(c)", "(d)"]
     assert seen and set(seen) == {True}, seen
 
@@ -132,9 +132,9 @@ def test_fused_adam_path_goes_to_the_release(monkeypatch):
     from mcore_ckpt_fixes.fixes.torch_adam_step.runtime import core
 
     mcore_ckpt_fixes.apply()
-    opt, _, _ = core._stand_in(torch)
+    opt, _, _ = core.optimizer_stand_in(torch)
     with pytest.raises(AssertionError):  # the release's torch branch on a fresh optimizer
-        core._release_method(m.DistributedOptimizer, "state_dict")(opt)
+        core.release_method_on_torch_adam(m.DistributedOptimizer, "state_dict")(opt)
     assert core.state_dict(opt)["optimizer"]["param_groups"][0]["step"] == 0.0
     monkeypatch.setattr(m, "HAVE_APEX_OR_TE", True)
     monkeypatch.setattr(m, "USING_APEX_OPTIMIZER", True, raising=False)

@@ -29,7 +29,7 @@ log = logging.getLogger("mcore_ckpt_fixes")
 # -- (a) and (b): sharded_state_dict ------------------------------------------------------------------
 
 
-def _bind(fn, args, kwargs):
+def bound_call(fn, args, kwargs):
     """The release's arguments by name, defaults filled in; None for a call it would reject."""
     try:
         call = inspect.signature(fn).bind(*args, **kwargs)
@@ -39,7 +39,7 @@ def _bind(fn, args, kwargs):
     return call
 
 
-def _names_no_format(call) -> bool:
+def names_no_format(call) -> bool:
     """(b): neither ``sharding_type`` nor ``metadata['distrib_optim_sharding_type']`` is given."""
     args = call.arguments
     if "metadata" not in args or args.get("sharding_type") is not None:
@@ -91,10 +91,10 @@ def sharded_state_dict(release, self, *args, **kwargs):
     """``DistributedOptimizer.sharded_state_dict``: a call that names no format gets
     ``dp_reshardable`` where the release's default cannot be saved, and a request built with
     ``is_loading=False`` on an optimizer without state describes zero moments."""
-    call = _bind(release, (self,) + args, kwargs)
+    call = bound_call(release, (self,) + args, kwargs)
     if call is None:
         return release(self, *args, **kwargs)
-    if _DEFECTS.get("default_format") and _names_no_format(call):
+    if _DEFECTS.get("default_format") and names_no_format(call):
         call.arguments["metadata"] = {**(call.arguments["metadata"] or {}), FORMAT_KEY: DEFAULT_FORMAT}
         log.debug("%s: DistributedOptimizer.sharded_state_dict without a format: %s", ID, DEFAULT_FORMAT)
     if _DEFECTS.get("fresh_request") and not call.arguments.get("is_loading") and _fresh(self):

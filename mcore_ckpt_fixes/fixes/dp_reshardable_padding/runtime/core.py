@@ -125,7 +125,7 @@ def _release_method(cls, name):
     return original(cls, name) if is_replacement(fn) else fn
 
 
-def _stand_in(rank, buckets, world=2):
+def optimizer_stand_in(rank, buckets, world=2):
     """An optimizer of ``world`` data-parallel ranks with one gradient buffer, on ``rank``:
     ``buckets`` gives each bucket's (size, unpadded size, this rank's parameter pieces as (start,
     end) in its shard). Only what the method reads."""
@@ -173,10 +173,10 @@ def defects(module) -> list:
     method = _release_method(module.__dict__[CLASS], METHOD)
     found = []
     try:
-        method(_stand_in(1, [(8, 3, []), (8, 8, [(0, 4)])]), {}, False)
+        method(optimizer_stand_in(1, [(8, 3, []), (8, 8, [(0, 4)])]), {}, False)
     except AssertionError:
         found.append("refuses a rank whose shard of a bucket is all padding (AssertionError)")
-    described = pieces(method(_stand_in(1, [(8, 6, [(0, 1)])]), {}, False))
+    described = pieces(method(optimizer_stand_in(1, [(8, 6, [(0, 1)])]), {}, False))
     if any(offset + length > total for offset, length, total in described[0]):
         found.append("describes end padding past the bucket's unpadded size (DCP rejects the plan)")
     return found

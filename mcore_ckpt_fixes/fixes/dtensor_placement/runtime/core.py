@@ -23,7 +23,7 @@ REPLICA_ATTR = "_mcore_ckpt_fixes_dtensor_replica"
 FSDP2_TAG = "is_torch_fsdp2_param"  # Megatron's own marker (its FSDP2 wrapper, 0.19's helpers)
 
 # helper name -> True when the release's helper only takes its DTensor branch for tagged DTensors.
-_TAG_REQUIRED: dict = {}
+TAG_REQUIRED: dict = {}
 # helper name -> True when the release's helper takes tp_group / dp_cp_group (0.16+).
 _TAKES_GROUPS: dict = {}
 
@@ -107,7 +107,7 @@ def _is_dtensor(tensor) -> bool:
 def _takes_dtensor_branch(helper: str, tensor) -> bool:
     if not _is_dtensor(tensor):
         return False
-    return not _TAG_REQUIRED.get(helper, False) or hasattr(tensor, FSDP2_TAG)
+    return not TAG_REQUIRED.get(helper, False) or hasattr(tensor, FSDP2_TAG)
 
 
 def takes_groups(helper) -> bool:
@@ -250,15 +250,19 @@ class _ParallelState:
         raise AttributeError(name)
 
 
-def _call_helper(module, fn, tensor, tp=(0, 1), dp=(3, 4)):
-    """``fn(tensor, "probe")`` with this rank at ``tp`` / ``dp`` (rank, size), however the release's
-    helpers find their groups: as arguments (0.16+) or from parallel_state (0.12-0.15)."""
-    release = original(module, fn.__name__) if is_replacement(fn) else fn
+def _call_helper(module, name, tensor, tp=(0, 1), dp=(3, 4)):
+    """The release's helper ``name`` (whatever the module binds now) called as ``(tensor, "probe")``
+    with this rank at ``tp`` / ``dp`` (rank, size), however it finds its groups: as arguments (0.16+)
+    or from parallel_state (0.12-0.15). It runs in a copy of the module's globals in which both
+    helpers are the release's (the live module is left as it is)."""
+    releases = {helper: original(module, helper) for helper in (TP_HELPER, HELPER)}
+    release = releases[name]
     if takes_groups(release):
-        return fn(tensor, "probe", tp_group=Group(rank=tp[0], size=tp[1]), dp_cp_group=Group(rank=dp[0], size=dp[1]))
-    # The release's helper reading a stand-in parallel_state from a copy of the module's globals
-    # (the live module is left as it is).
-    return in_scope(release, module_scope(module, parallel_state=_ParallelState(tp=tp, dp=dp)))(tensor, "probe")
+        scope = module_scope(module, **releases)
+        groups = {"tp_group": Group(rank=tp[0], size=tp[1]), "dp_cp_group": Group(rank=dp[0], size=dp[1])}
+        return in_scope(release, scope)(tensor, "probe", **groups)
+    scope = module_scope(module, parallel_state=_ParallelState(tp=tp, dp=dp), **releases)
+    return in_scope(release, scope)(tensor, "probe")
 
 
 def probe_dtensor(tag=True):
@@ -296,10 +300,10 @@ def probe_utils(module: types.ModuleType):
         return None, "this torch has no DTensor"
     # The dense DP group says rank 3 of 4 (what a dense DP group around a 2-rank expert mesh says).
     wrong = []
-    tp_sh = _call_helper(module, module.__dict__[TP_HELPER], probe_dtensor())
+    tp_sh = _call_helper(module, TP_HELPER, probe_dtensor())
     if not _described_right(tp_sh):
         wrong.append(f"{TP_HELPER} gives global {tuple(tp_sh.global_shape)} offset {tuple(tp_sh.global_offset)}")
-    sh = _call_helper(module, module.__dict__[HELPER], probe_dtensor())
+    sh = _call_helper(module, HELPER, probe_dtensor())
     if not _described_right(sh):
         wrong.append(f"{HELPER} gives global {tuple(sh.global_shape)} offset {tuple(sh.global_offset)}")
     if wrong:
@@ -309,7 +313,7 @@ def probe_utils(module: types.ModuleType):
 
 def _tag_required(module, name) -> bool:
     """Does the release's helper skip its DTensor branch for an untagged DTensor? (0.19 does.)"""
-    sh = _call_helper(module, original(module, name), probe_dtensor(tag=False), dp=(0, 1))
+    sh = _call_helper(module, name, probe_dtensor(tag=False), dp=(0, 1))
     return _is_dtensor(sh.data)
 
 
@@ -360,7 +364,7 @@ def apply_utils(module: types.ModuleType, patcher: Patcher) -> None:
     shard.bind(module)
     for name in (TP_HELPER, HELPER):
         _TAKES_GROUPS[name] = takes_groups(original(module, name))
-        _TAG_REQUIRED[name] = _tag_required(module, name)
+        TAG_REQUIRED[name] = _tag_required(module, name)
     patcher.replace_function(module, TP_HELPER, make_tp_sharded_tensor_for_checkpoint)
     patcher.replace_function(module, HELPER, make_sharded_tensor_for_checkpoint)
 

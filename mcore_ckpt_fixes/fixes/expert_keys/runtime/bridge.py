@@ -10,13 +10,13 @@ import types
 
 from ....engine.patching import Patcher, mark
 from .. import BRIDGE, ID
-from .core import _preprocess_through, probe_training
+from .core import preprocess_through_binding, probe_training
 
 
 @mark(ID)
 def bridge_preprocess_state_dict_for_uneven_dtensor(state_dict):
     """Megatron-Bridge's binding (its ``preprocess_fsdp_dtensor_state_dict`` calls it)."""
-    return _preprocess_through(BRIDGE, bridge_preprocess_state_dict_for_uneven_dtensor, state_dict)
+    return preprocess_through_binding(BRIDGE, bridge_preprocess_state_dict_for_uneven_dtensor, state_dict)
 
 
 probe_bridge = probe_training

@@ -56,7 +56,7 @@ def expert_param_local_key(below_us, key, num_experts=None):
     return _FIXED["expert_param_local_key"](key, num_experts)
 
 
-def _preprocess_through(binding, replacement, state_dict):
+def preprocess_through_binding(binding, replacement, state_dict):
     """The uneven-DTensor preprocessing as ``binding`` (a caller's module) binds it, with single
     grouped expert tensors made EP-global; the release's again once the fix is reverted."""
     name = "preprocess_state_dict_for_uneven_dtensor"
@@ -67,7 +67,7 @@ def _preprocess_through(binding, replacement, state_dict):
 
 @mark(ID)
 def preprocess_state_dict_for_uneven_dtensor(state_dict):
-    return _preprocess_through(TRAINING, preprocess_state_dict_for_uneven_dtensor, state_dict)
+    return preprocess_through_binding(TRAINING, preprocess_state_dict_for_uneven_dtensor, state_dict)
 
 
 for _name in _FIXED:  # the docstrings Megatron's readers see

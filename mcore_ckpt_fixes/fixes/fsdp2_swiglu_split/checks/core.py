@@ -229,7 +229,7 @@ def old_checkpoint(rank: int, world_size: int, ckpt_dir: str, patched: bool, dev
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.transformer.mlp import MLP
 
-    from ..runtime.core import _release_method
+    from ....engine.patching import original
 
     rt = RoundTrip(warnings=[])
     with rt.running():
@@ -242,7 +242,7 @@ def old_checkpoint(rank: int, world_size: int, ckpt_dir: str, patched: bool, dev
         model = _wrapped(config, SAVE_SEED)
         moments = _moments(model.module)
         before = _tensors(model.module, moments)
-        release = _release_method(MLP)
+        release = original(MLP, "sharded_state_dict")
         with _mlp_method(release):
             dist_checkpointing.save(_sharded(model.module, moments), ckpt_dir)
         dist.barrier()

@@ -137,7 +137,7 @@ def _swiglu_factory_for_dtensor_shard(factory, param):
 # -- end of replacement ---
 
 
-def _bind_mapping():
+def bind_mapping_globals():
     """The replacement section's globals, as megatron/core/transformer/mlp.py has them."""
     global ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -263,6 +263,6 @@ def probe(module: types.ModuleType):
 def apply(module: types.ModuleType, patcher: Patcher) -> None:
     from . import layout
 
-    _bind_mapping()
+    bind_mapping_globals()
     patcher.replace(module.MLP, "sharded_state_dict", mlp_sharded_state_dict)
     layout.apply(patcher)

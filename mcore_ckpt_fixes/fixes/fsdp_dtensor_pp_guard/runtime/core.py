@@ -96,6 +96,29 @@ def keeps_stage_local_layer_names(module) -> bool:
     return key in out["model"]
 
 
+def _names_read(code) -> set:
+    """The global and attribute names ``code`` reads, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
+
+
+def loads_fsdp_dtensor(fn) -> bool:
+    """Is ``fn`` the release's loader that :func:`_load_base_checkpoint` wraps: it takes the run's
+    ``args`` (the layer reads them from the call) and loads an fsdp_dtensor checkpoint through
+    ``preprocess_fsdp_dtensor_state_dict``, telling it apart by ``CheckpointType.FSDP_DTENSOR`` (what
+    the layer reads from its result)?"""
+    code = getattr(fn, "__code__", None)
+    try:
+        takes_args = "args" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    needed = {"FSDP_DTENSOR", "preprocess_fsdp_dtensor_state_dict"}
+    return takes_args and code is not None and needed <= _names_read(code)
+
+
 def probe(module: types.ModuleType):
     checkpoint_type = module.__dict__.get("CheckpointType")
     if (
@@ -105,6 +128,8 @@ def probe(module: types.ModuleType):
         or "preprocess_fsdp_dtensor_state_dict" not in module.__dict__
     ):
         return None, f"{MODULE} has no fsdp_dtensor load"
+    if not loads_fsdp_dtensor(original(module, NAME)):
+        return None, f"{NAME} takes no args or loads no fsdp_dtensor checkpoint: not the loader this guard wraps"
     if not keeps_stage_local_layer_names(module):
         return False, "fsdp_dtensor state dicts name a later stage's layers by their global number"
     if callable(module.__dict__.get("_refuse_fsdp_dtensor_pipeline_change")):

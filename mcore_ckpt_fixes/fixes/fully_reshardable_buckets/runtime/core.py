@@ -23,7 +23,7 @@ METHOD = "sharded_param_state_fully_reshardable"
 GATHER = "get_parameter_state_dp_zero"
 
 
-def _bucket_shifts(buffer):
+def bucket_shifts(buffer):
     """Per bucket, where its values start in the gathered world tensor minus where they start in the
     gradient buffer (``param_index_map``'s positions): 0 for the first bucket, and for each later
     one minus the padding that ended the buckets before it."""
@@ -34,12 +34,12 @@ def _bucket_shifts(buffer):
     return shifts
 
 
-def _as_the_buffer(buffer, world):
+def laid_out_as_the_buffer(buffer, world):
     """``world`` (buckets back to back) laid out as the gradient buffer: each bucket's values at its
     offset, zero in the padding between buckets."""
     import torch
 
-    buckets, shifts = buffer.buckets, _bucket_shifts(buffer)
+    buckets, shifts = buffer.buckets, bucket_shifts(buffer)
     length = max(b.offset + b.numel_unpadded for b in buckets)
     out = torch.zeros((length,), dtype=world.dtype, device=world.device)
     for bucket, shift in zip(buckets, shifts):
@@ -54,12 +54,12 @@ def _laid_out_as_the_buffers(self, state):
     if state is None:  # memory-efficient mode, data-parallel rank > 0
         return None
     for gbuf_idx, buffer in enumerate(self.buffers):
-        if gbuf_idx not in state or not any(_bucket_shifts(buffer)):
+        if gbuf_idx not in state or not any(bucket_shifts(buffer)):
             continue
         for world_tensors in state[gbuf_idx].values():
             for key, value in world_tensors.items():
                 if isinstance(value, torch.Tensor) and value.dim() == 1:
-                    world_tensors[key] = _as_the_buffer(buffer, value)
+                    world_tensors[key] = laid_out_as_the_buffer(buffer, value)
     return state
 
 
@@ -73,7 +73,7 @@ def sharded_param_state_fully_reshardable(below_us, self, *args, **kwargs):
     """The release's method; inside it, this optimizer's gather (:func:`get_parameter_state_dp_zero`)
     gives world tensors laid out as the gradient buffers, where the method looks each parameter up,
     wherever a buffer's buckets sit elsewhere in the gathered world tensor."""
-    if not any(any(_bucket_shifts(b)) for b in self.buffers):
+    if not any(any(bucket_shifts(b)) for b in self.buffers):
         return below_us(self, *args, **kwargs)
     token = _SAVING.set(self)
     try:

@@ -42,7 +42,7 @@ def _writes_legacy_checkpoint(checkpoint_name):
 
 
 # This context's answer for the legacy save it runs (0: this rank writes its file, 1: it does not), or None.
-_ANSWER = contextvars.ContextVar("mcore_ckpt_fixes_legacy_writer", default=None)
+ELECTED_WRITER_ANSWER = contextvars.ContextVar("mcore_ckpt_fixes_legacy_writer", default=None)
 
 
 class ElectedWriterView:
@@ -61,7 +61,7 @@ class ElectedWriterView:
         return f"<{type(self).__name__} of {self.real!r}>"
 
     def get_expert_data_parallel_rank(self, *args, **kwargs):
-        answer = _ANSWER.get()
+        answer = ELECTED_WRITER_ANSWER.get()
         return self.real.get_expert_data_parallel_rank(*args, **kwargs) if answer is None else answer
 
 
@@ -99,11 +99,11 @@ def save_checkpoint(below_us, *args, **kwargs):
     name = _legacy_checkpoint_name(module, below_us, args, kwargs)
     if name is None:
         return below_us(*args, **kwargs)
-    token = _ANSWER.set(0 if _writes_legacy_checkpoint(name) else 1)
+    token = ELECTED_WRITER_ANSWER.set(0 if _writes_legacy_checkpoint(name) else 1)
     try:
         return below_us(*args, **kwargs)
     finally:
-        _ANSWER.reset(token)
+        ELECTED_WRITER_ANSWER.reset(token)
 
 
 # -- probe: the release's own writer condition on inert stand-ins ----------------------------------

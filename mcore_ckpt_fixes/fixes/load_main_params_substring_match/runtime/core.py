@@ -75,17 +75,17 @@ def build_model_param_to_state_dict_param_map(self, state_dict):
 # -- probe: the release's own method on a stand-in optimizer (no model, no torch) ------------------
 
 
-class _Tensor:
+class ProbeTensor:
     """A parameter or state-dict tensor as the method sees it: hashable, with a shape."""
 
     shape = (4,)
 
 
-class _Chunk:
+class ProbeModelChunk:
     """A model chunk as DDP names its parameters: ``module.`` in front, one per grouped expert."""
 
     def __init__(self, names):
-        self.params = [(f"module.module.{n}", _Tensor()) for n in names]
+        self.params = [(f"module.module.{n}", ProbeTensor()) for n in names]
 
     def named_parameters(self):
         return iter(self.params)
@@ -103,9 +103,9 @@ def maps_a_parameter_to_another_key(cls) -> bool:
     """Eleven grouped experts' weights (weight0 .. weight10): does the release stop on weight1, or
     give any parameter another key's tensor?"""
     names = [f"decoder.layers.0.mlp.experts.linear_fc1.weight{i}" for i in range(11)]
-    state_dict = {n: _Tensor() for n in names}
+    state_dict = {n: ProbeTensor() for n in names}
     stand_in = object.__new__(cls)
-    stand_in.model_chunks = [_Chunk(names)]
+    stand_in.model_chunks = [ProbeModelChunk(names)]
     try:
         mapping = _release_method(cls)(stand_in, {"model": state_dict})
     except AssertionError:

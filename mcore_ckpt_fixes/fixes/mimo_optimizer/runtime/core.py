@@ -18,7 +18,7 @@ import warnings
 from ....engine.errors import MegatronPatchWarning
 from ....engine.layers import layer
 from ....engine.patching import Patcher, mark, original
-from ....engine.probing import Group, in_scope, module_scopes
+from ....engine.probing import Group, in_scope, module_scope, module_scopes
 from .. import ID, LOAD_MODULE, MODULE
 from .common_state import _extract_common_state, _restore_common_state
 from ....dcp_metadata import install as share_metadata_reads, shared_metadata
@@ -251,6 +251,16 @@ class _InnerStandIn:
         self.loaded = state_dict
 
 
+def _release_methods(module):
+    """The release's ``MimoOptimizer.sharded_state_dict`` and ``load_state_dict`` (not the fix's,
+    once applied), reading the release's ``_get_replica_id`` from a copy of the module's globals
+    (the live module is left as it is)."""
+    cls = module.MimoOptimizer
+    releases = {name: original(module, name) for name in ("_get_replica_id",) if name in module.__dict__}
+    scope = module_scope(module, **releases)
+    return tuple(in_scope(original(cls, name), scope) for name in ("sharded_state_dict", "load_state_dict"))
+
+
 def _save_side_problems(module):
     """The defects (a)-(d) the real MimoOptimizer methods show on stand-in inner optimizers."""
     cls, info_cls = module.MimoOptimizer, module.ModuleOptimizerInfo
@@ -263,7 +273,8 @@ def _save_side_problems(module):
     }
     opt = cls.__new__(cls)  # no __init__: it reads an OptimizerConfig the probe does not need
     opt.module_infos = infos
-    sd = cls.sharded_state_dict(opt, {}, is_loading=False)["vision"]
+    save, load = _release_methods(module)
+    sd = save(opt, {}, is_loading=False)["vision"]
     objects = [v for v in _leaves(sd) if isinstance(v, ShardedBase)]
     problems = []
     if any(not o.key.startswith("mimo.vision.") for o in objects):
@@ -282,7 +293,7 @@ def _save_side_problems(module):
         k: v.data if isinstance(v, ShardedObject) else v for k, v in sd.items() if k not in ("optimizer", "common_step")
     }
     try:
-        cls.load_state_dict(opt, {"language": None, "vision": loaded})
+        load(opt, {"language": None, "vision": loaded})
     except KeyError:
         problems.append("(a) load raises KeyError when the module's 'optimizer' dict was not saved")
     restored = inner.loaded is not None and inner.loaded.get("common_step") is _PLAIN

@@ -22,6 +22,7 @@ import warnings
 from ....engine.errors import MegatronPatchWarning
 from ....engine.layers import layer
 from ....engine.patching import MARK, Patcher, below, is_replacement, original
+from ....engine.probing import in_scope, module_scope
 from .. import DISTRIB_MODULE, ID, MODULE
 
 GLOBAL = "param_group_identifier_keys"
@@ -116,7 +117,7 @@ def _param_group_identifier_keys_for(current_groups, saved_groups):
 
 
 @contextlib.contextmanager
-def _matching_by(keys):
+def matching_by_keys(keys):
     """Inside the block, this context's matching iterates ``keys`` (the release's: nothing set)."""
     token = _CHOSEN.set(tuple(keys)) if tuple(keys) != _release_keys() else None
     try:
@@ -149,7 +150,7 @@ def filter_and_reorder_param_groups(current_groups, state_dict_groups):
     """``MegatronOptimizer._filter_and_reorder_param_groups`` (a staticmethod; the non-distributed
     optimizers' load) matching by the keys that tell the groups apart."""
     below_us = below(ID, sys.modules[MODULE].MegatronOptimizer, "_filter_and_reorder_param_groups")
-    with _matching_by(_keys_for(current_groups, state_dict_groups)):
+    with matching_by_keys(_keys_for(current_groups, state_dict_groups)):
         return below_us(current_groups, state_dict_groups)
 
 
@@ -163,7 +164,7 @@ def distrib_load_state_dict(below_us, self, state_dict):
     current = getattr(getattr(self, "optimizer", None), "param_groups", None)
     if not isinstance(saved, list) or current is None:
         return below_us(self, state_dict)
-    with _matching_by(_keys_for(current, saved)):
+    with matching_by_keys(_keys_for(current, saved)):
         return below_us(self, state_dict)
 
 
@@ -231,10 +232,52 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
     patcher.replace(module.MegatronOptimizer, "_filter_and_reorder_param_groups", STATIC_FILTER)
 
 
+class _ProbeDone(Exception):
+    pass
+
+
+class _RecordingKeys:
+    """Stands in for the module's ``param_group_identifier_keys``: the release's keys, recording
+    whether they were iterated."""
+
+    def __init__(self, keys):
+        self.keys, self.iterated = tuple(keys), False
+
+    def __iter__(self):
+        self.iterated = True
+        return iter(self.keys)
+
+
+def matches_saved_groups_by_identifier_keys(module) -> bool:
+    """Does the release's ``DistributedOptimizer.load_state_dict`` (what :func:`distrib_load_state_dict`
+    wraps) match the saved parameter groups by the module's ``param_group_identifier_keys`` (what the
+    wrapper chooses)? It runs in a copy of the module's globals with recording keys, on a stand-in
+    optimizer whose inner ``state_dict()`` (read after the saved groups are matched) stops it."""
+
+    def stop():
+        raise _ProbeDone
+
+    held = vars(module).get(GLOBAL)
+    keys = _RecordingKeys(tuple.__iter__(held) if isinstance(held, tuple) else ())
+    stand_in = types.SimpleNamespace(
+        ddp_config=types.SimpleNamespace(use_megatron_fsdp=False, use_custom_fsdp=False),
+        optimizer=types.SimpleNamespace(state={0: {}}, state_dict=stop, param_groups=[]),
+    )
+    release = original(module.DistributedOptimizer, "load_state_dict")
+    load = in_scope(release, module_scope(module, **{GLOBAL: keys}))
+    try:
+        load(stand_in, {"optimizer": {"param_groups": [_group([0], 1.0)]}})
+    except Exception:  # _ProbeDone, or the release's own error on the stand-in: only the keys count
+        pass
+    return keys.iterated
+
+
 def probe_distrib(module: types.ModuleType):
     cls = module.__dict__.get("DistributedOptimizer")
     if cls is None or "load_state_dict" not in cls.__dict__ or GLOBAL not in vars(module):
         return None, f"{DISTRIB_MODULE} matches no saved parameter groups by identifier keys"
+    if not matches_saved_groups_by_identifier_keys(module):
+        return None, f"DistributedOptimizer.load_state_dict does not match saved parameter groups by {GLOBAL}"
     return probe(sys.modules[MODULE])
 
 

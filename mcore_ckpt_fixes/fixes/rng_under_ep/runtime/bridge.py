@@ -37,15 +37,21 @@ from ....engine.layers import layer
 from ....engine.patching import Patcher, original
 from ....engine.probing import Group, in_scope, module_scope
 from .. import ID
-from .fsdp_dtensor import _own_key, drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
-from .core import _bind, _Delegate
+from .fsdp_dtensor import (
+    drop_absent_own_entry,
+    fsdp_dtensor_entry,
+    own_entry_key,
+    restore_own_entry,
+    with_per_rank_entry,
+)
+from .core import DelegatingNamespace, bind_arguments
 
 MODULE = "megatron.bridge.training.checkpointing"
 
 
 def _dp_cp_rank(func, args, kwargs):
     """This rank's index in ``pg_collection.dp_cp``, as Bridge reads it for the torch_dist layout."""
-    return _bind(func, args, kwargs).arguments["pg_collection"].dp_cp.rank()
+    return bind_arguments(func, args, kwargs).arguments["pg_collection"].dp_cp.rank()
 
 
 # -- save side --------------------------------------------------------------------------------------
@@ -81,14 +87,14 @@ def _load_fsdp_dtensor_checkpoint(func, *args, **kwargs):
     rank's own RNG entry where the checkpoint has one, and hand ``load_checkpoint`` that entry under
     the key it reads."""
     try:
-        bound = _bind(func, args, kwargs)
+        bound = bind_arguments(func, args, kwargs)
     except TypeError:
         return func(*args, **kwargs)  # let the original raise its own error
     bound.apply_defaults()
     params = bound.arguments
     sharded = params.get("sharded_state_dict")
     request = sharded.get("rng_state") if isinstance(sharded, dict) else None
-    if params.get("rank0") or fsdp_dtensor_entry(request) is None or _own_key(request) is None:
+    if params.get("rank0") or fsdp_dtensor_entry(request) is None or own_entry_key(request) is None:
         return func(*args, **kwargs)
     module = sys.modules[MODULE]
     checkpoint_name = params.get("checkpoint_path_override")
@@ -116,13 +122,13 @@ def _load_fsdp_dtensor_checkpoint(func, *args, **kwargs):
 def _probe_once(module, dp_rank, ckpt_format):
     import torch
 
-    fake_cuda = _Delegate(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
-    fake_dist = _Delegate(torch.distributed, is_initialized=lambda: False)
+    fake_cuda = DelegatingNamespace(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
+    fake_dist = DelegatingNamespace(torch.distributed, is_initialized=lambda: False)
     tracker = types.SimpleNamespace(get_states=lambda: {})
     stand_ins = {
         # No CUDA on the host, and get_cuda_rng_tracker() would create Megatron's global tracker.
-        "torch": _Delegate(torch, cuda=fake_cuda, distributed=fake_dist),
-        "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
+        "torch": DelegatingNamespace(torch, cuda=fake_cuda, distributed=fake_dist),
+        "tensor_parallel": DelegatingNamespace(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
     }
     saved = {name: module.__dict__[name] for name in stand_ins if name in module.__dict__}
     missing = sorted(set(stand_ins) - set(saved))

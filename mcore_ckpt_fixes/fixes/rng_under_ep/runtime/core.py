@@ -23,14 +23,14 @@ from .old_layouts import align_rng_request, restores_own_copy
 _SIGNATURES: dict = {}
 
 
-def _bind(func, args, kwargs):
+def bind_arguments(func, args, kwargs):
     sig = _SIGNATURES.get(func)
     if sig is None:
         sig = _SIGNATURES[func] = inspect.signature(func)
     return sig.bind(*args, **kwargs)
 
 
-def _is_rng_object(obj) -> bool:
+def is_rng_object(obj) -> bool:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return isinstance(obj, ShardedObject) and obj.key.endswith("rng_state")
@@ -39,7 +39,7 @@ def _is_rng_object(obj) -> bool:
 def _dp_cp_group_arg(func, args, kwargs):
     """The ``dp_cp_group`` a caller passed (0.19 takes one), or None."""
     try:
-        return _bind(func, args, kwargs).arguments.get("dp_cp_group")
+        return bind_arguments(func, args, kwargs).arguments.get("dp_cp_group")
     except TypeError:
         return None
 
@@ -70,7 +70,7 @@ def get_rng_state(below_us, *args, **kwargs):
     if fsdp_dtensor_entry(state) is not None:
         dp_cp_rank, _ = _dp_cp_rank_and_size(_dp_cp_group_arg(below_us, args, kwargs))
         return with_per_rank_entry(state, dp_cp_rank)
-    if not _is_rng_object(state) or len(state.global_shape) != 2:
+    if not is_rng_object(state) or len(state.global_shape) != 2:
         return state  # torch / torch_dcp: a plain list, left as the release writes it
     dp_cp_rank, dp_cp_size = _dp_cp_rank_and_size(_dp_cp_group_arg(below_us, args, kwargs))
     return dataclasses.replace(
@@ -89,13 +89,13 @@ def load_global_dist_base_checkpoint(below_us, *args, **kwargs):
     """``megatron.training.checkpointing._load_global_dist_base_checkpoint``: request the RNG shard
     in the layout the checkpoint has."""
     try:
-        bound = _bind(below_us, args, kwargs)
+        bound = bind_arguments(below_us, args, kwargs)
     except TypeError:
         return below_us(*args, **kwargs)  # let the original raise its own error
     params = bound.arguments
     sharded = params.get("sharded_state_dict")
     template = sharded.get("rng_state") if isinstance(sharded, dict) else None
-    if params.get("rank0") or template is None or not _is_rng_object(template) or len(template.global_shape) != 3:
+    if params.get("rank0") or template is None or not is_rng_object(template) or len(template.global_shape) != 3:
         return below_us(*args, **kwargs)
     # One .metadata read per rank for the decision and the load together (dcp_metadata).
     with shared_metadata():
@@ -170,7 +170,7 @@ def load_base_checkpoint(below_us, *args, **kwargs):
     """``megatron.training.checkpointing._load_base_checkpoint``: after an ``fsdp_dtensor`` load,
     hand load_checkpoint this rank's own RNG entry under the key it looks up (:mod:`.fsdp_dtensor`)."""
     try:
-        sharded = _bind(below_us, args, kwargs).arguments.get("sharded_state_dict")
+        sharded = bind_arguments(below_us, args, kwargs).arguments.get("sharded_state_dict")
     except TypeError:
         sharded = None
     request = sharded.get("rng_state") if isinstance(sharded, dict) else None
@@ -193,7 +193,7 @@ def load_base_checkpoint(below_us, *args, **kwargs):
 # -- probe: run the real get_rng_state on stand-ins for what it reads ---------------------------------
 
 
-class _ProbeMpu:
+class ProbeParallelState:
     """``parallel_state`` as one rank of pp=1, tp=1, dp_cp=2 sees it (nothing initialised)."""
 
     def __init__(self, dp_rank):
@@ -218,7 +218,7 @@ class _ProbeMpu:
         raise AttributeError(f"probe stand-in for parallel_state has no {name}")
 
 
-class _Delegate:
+class DelegatingNamespace:
     """A namespace that answers from ``overrides`` first, then from ``real``."""
 
     def __init__(self, real, **overrides):
@@ -232,16 +232,16 @@ class _Delegate:
 def _probe_once(module, dp_rank):
     import torch
 
-    fake_cuda = _Delegate(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
-    fake_dist = _Delegate(torch.distributed, is_initialized=lambda: False)
+    fake_cuda = DelegatingNamespace(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
+    fake_dist = DelegatingNamespace(torch.distributed, is_initialized=lambda: False)
     tracker = types.SimpleNamespace(get_states=lambda: {})
     stand_ins = {
         "get_args": lambda: types.SimpleNamespace(data_parallel_random_init=False),
-        "mpu": _ProbeMpu(dp_rank),
+        "mpu": ProbeParallelState(dp_rank),
         # The real CUDA generator and RNG tracker are not touched: no CUDA on the host, and
         # get_cuda_rng_tracker() would create Megatron's global tracker with default settings.
-        "torch": _Delegate(torch, cuda=fake_cuda, distributed=fake_dist),
-        "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
+        "torch": DelegatingNamespace(torch, cuda=fake_cuda, distributed=fake_dist),
+        "tensor_parallel": DelegatingNamespace(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
     }
     saved = {name: module.__dict__[name] for name in stand_ins if name in module.__dict__}
     missing = sorted(set(stand_ins) - set(saved))

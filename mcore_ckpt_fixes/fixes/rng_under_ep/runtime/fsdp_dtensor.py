@@ -62,7 +62,7 @@ def with_per_rank_entry(state, dp_cp_rank):
     return out
 
 
-def _own_key(request):
+def own_entry_key(request):
     per_rank = [k for k in request if isinstance(k, str) and k.count(",") == 2]
     return per_rank[0] if len(per_rank) == 1 else None
 
@@ -71,7 +71,7 @@ def drop_absent_own_entry(state_dict, stored_keys) -> None:
     """Before DCP plans a load: leave this rank's own RNG entry out of ``state_dict`` when the
     checkpoint (``stored_keys``: its metadata's keys) holds the release's entry but not this one."""
     rng = state_dict.get("rng_state") if isinstance(state_dict, dict) else None
-    own_key = _own_key(rng) if fsdp_dtensor_entry(rng) is not None else None
+    own_key = own_entry_key(rng) if fsdp_dtensor_entry(rng) is not None else None
     if own_key is None:
         return
     pp, tp = fsdp_dtensor_entry(rng)
@@ -92,11 +92,11 @@ def restore_own_entry(request, state_dict):
         return None
     pp, tp = fsdp_dtensor_entry(request)
     release_key = f"({pp}, {tp})"
-    own_key = _own_key(loaded)
+    own_key = own_entry_key(loaded)
     if own_key is not None:
         state_dict["rng_state"] = {release_key: loaded[own_key]}
         return None
-    dp_cp = _own_key(request).rsplit(",", 1)[1].strip(" )")
+    dp_cp = own_entry_key(request).rsplit(",", 1)[1].strip(" )")
     return (
         f"mcore_ckpt_fixes: {ID}: this fsdp_dtensor checkpoint has no RNG state of its own for this rank "
         f"(pp {pp}, tp {tp}, dp_cp {dp_cp}): it was written before rng-under-ep covered fsdp_dtensor (the "

@@ -44,7 +44,7 @@ from .. import ID
 from . import fsdp_dtensor
 from .fsdp_dtensor import fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .core import _Delegate, _ProbeMpu, _is_rng_object, torch_dist_verdict
+from .core import DelegatingNamespace, ProbeParallelState, is_rng_object, torch_dist_verdict
 
 MODULE = "swift.megatron.utils.megatron_lm_utils"
 FSDP_MODULE = "swift.megatron.utils.megatron_fsdp_checkpoint"
@@ -71,7 +71,7 @@ def get_rng_state(below_us, *args, **kwargs):
     mpu = _mpu()
     if fsdp_dtensor_entry(state) is not None:
         return with_per_rank_entry(state, mpu.get_data_parallel_rank(with_context_parallel=True))
-    if not _is_rng_object(state) or len(state.global_shape) != 2:
+    if not is_rng_object(state) or len(state.global_shape) != 2:
         return state
     return dataclasses.replace(
         state,
@@ -98,7 +98,7 @@ def _dist_checkpointing_load(sharded_state_dict, checkpoint_dir, *args, **kwargs
     from megatron.core import dist_checkpointing
 
     template = sharded_state_dict.get("rng_state") if isinstance(sharded_state_dict, dict) else None
-    if template is None or not _is_rng_object(template) or len(template.global_shape) != 3:
+    if template is None or not is_rng_object(template) or len(template.global_shape) != 3:
         return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
     request, warning = align_rng_request(template, checkpoint_dir)
     if warning is not None:
@@ -165,7 +165,7 @@ def select_rng_state(below_us, rng_state, *args, **kwargs):
 # -- probe: run ms-swift's own _get_rng_state on stand-ins for what it reads --------------------------
 
 
-class _SwiftProbeMpu(_ProbeMpu):
+class _SwiftProbeMpu(ProbeParallelState):
     """``megatron.core.mpu`` as one rank of pp=1, tp=1, dp_cp=2 sees it (ms-swift also reads the sizes)."""
 
     def get_pipeline_model_parallel_world_size(self):
@@ -178,14 +178,14 @@ class _SwiftProbeMpu(_ProbeMpu):
 def _probe_once(module, dp_rank):
     import torch
 
-    fake_cuda = _Delegate(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
-    fake_dist = _Delegate(torch.distributed, is_initialized=lambda: False)
+    fake_cuda = DelegatingNamespace(torch.cuda, get_rng_state=lambda device="cuda": torch.zeros(8, dtype=torch.uint8))
+    fake_dist = DelegatingNamespace(torch.distributed, is_initialized=lambda: False)
     tracker = types.SimpleNamespace(get_states=lambda: {})
     stand_ins = {
         "mpu": _SwiftProbeMpu(dp_rank),
         # No CUDA generator or global RNG tracker is touched (why: :func:`.core._probe_once`).
-        "torch": _Delegate(torch, cuda=fake_cuda, distributed=fake_dist),
-        "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
+        "torch": DelegatingNamespace(torch, cuda=fake_cuda, distributed=fake_dist),
+        "tensor_parallel": DelegatingNamespace(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
     }
     saved = {name: module.__dict__[name] for name in stand_ins if name in module.__dict__}
     missing = sorted(set(stand_ins) - set(saved))

@@ -42,7 +42,7 @@ from ....engine.probing import in_scope, module_scope
 from .. import ID
 from .fsdp_dtensor import drop_absent_own_entry, fsdp_dtensor_entry, restore_own_entry, with_per_rank_entry
 from .old_layouts import align_rng_request
-from .core import _Delegate, _ProbeMpu, torch_dist_verdict
+from .core import DelegatingNamespace, ProbeParallelState, torch_dist_verdict
 
 MODULE = "verl.utils.checkpoint.megatron_checkpoint_manager"
 CLASS = "MegatronCheckpointManager"
@@ -206,7 +206,7 @@ def _holds(stored_keys, entry):
 # -- probe: verl's own get_rng_state on stand-ins ------------------------------------------------------
 
 
-class _VerlProbeMpu(_ProbeMpu):
+class _VerlProbeMpu(ProbeParallelState):
     """``parallel_state`` as rank ``dp_rank`` of pp=1, tp=1, dp_cp=2 sees it (nothing initialised)."""
 
     def get_pipeline_model_parallel_world_size(self):
@@ -221,7 +221,7 @@ def _probe_once(module, cls, dp_rank, use_megatron_fsdp=False):
     stand_ins = {
         "mpu": _VerlProbeMpu(dp_rank),
         # Megatron's global tracker and the accelerator are not touched.
-        "tensor_parallel": _Delegate(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
+        "tensor_parallel": DelegatingNamespace(module.tensor_parallel, get_cuda_rng_tracker=lambda *a, **k: tracker),
         "is_device_available": lambda: False,
     }
     saved = {name: module.__dict__[name] for name in stand_ins if name in module.__dict__}

@@ -111,13 +111,13 @@ def own_step_tensors(states) -> None:
 # -- probe: the release's own methods on inert stand-ins --------------------------------------------
 
 
-def _release_method(cls, name):
+def release_method_on_torch_adam(cls, name):
     """The release's method, run on torch's Adam path (``HAVE_APEX_OR_TE`` False in its globals
     only: the live module keeps the flag its import set)."""
     return with_globals(original(cls, name), HAVE_APEX_OR_TE=False)
 
 
-def _stand_in(torch, step=None):
+def optimizer_stand_in(torch, step=None):
     """What the two methods read of a DistributedOptimizer: one model parameter, its main-parameter
     shard in a torch Adam (with state when ``step`` is given), no grad scaler."""
     model_param, main_param = torch.zeros(2), torch.nn.Parameter(torch.zeros(2))
@@ -147,7 +147,7 @@ def _hybrid_defect(module, torch, set_states):
     hybrid_cls = module.__dict__.get("HybridDeviceOptimizer")
     if hybrid_cls is None:
         return None
-    opt, model_param, _ = _stand_in(torch)
+    opt, model_param, _ = optimizer_stand_in(torch)
     shard = torch.zeros(2)
     hybrid = hybrid_cls.__new__(hybrid_cls)
     hybrid.param_groups = [{"params": [shard]}]
@@ -168,18 +168,18 @@ def defects(module) -> list:
 
     cls = module.__dict__[CLASS]
     found = []
-    opt, _, _ = _stand_in(torch)
+    opt, _, _ = optimizer_stand_in(torch)
     try:
-        _release_method(cls, "state_dict")(opt)
+        release_method_on_torch_adam(cls, "state_dict")(opt)
     except AssertionError:
         found.append("(a) state_dict of a fresh optimizer asserts that one step exists")
-    set_states = torch.no_grad()(_release_method(cls, "_set_main_param_and_optimizer_states"))
+    set_states = torch.no_grad()(release_method_on_torch_adam(cls, "_set_main_param_and_optimizer_states"))
     loaded = {"param": torch.ones(2), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
-    opt, model_param, main_param = _stand_in(torch, step=3.0)
+    opt, model_param, main_param = optimizer_stand_in(torch, step=3.0)
     set_states(opt, model_param, {**loaded, "step": torch.tensor(1.0)})
     if float(opt.optimizer.state[main_param]["step"]) != 3.0:
         found.append("(b) a per-parameter step in the loaded state overwrites the param groups' step")
-    opt, model_param, main_param = _stand_in(torch, step=3.0)
+    opt, model_param, main_param = optimizer_stand_in(torch, step=3.0)
     try:
         set_states(opt, model_param, loaded)
     except KeyError:

@@ -133,7 +133,10 @@ def probe_mamba_layer(module: types.ModuleType):
 
     group = _Sentinel()
     sub = module.MambaLayerSubmodules(norm=IdentityOp, mixer=IdentityOp, mamba_bda=IdentityOp)
-    layer = module.MambaLayer(_tiny_config(), sub, pg_collection=types.SimpleNamespace(tp=group))
+    # The release's __init__ (not the fix's, once applied) on a bare instance.
+    cls = module.MambaLayer
+    layer = cls.__new__(cls)
+    original(cls, "__init__")(layer, _tiny_config(), sub, pg_collection=types.SimpleNamespace(tp=group))
     if getattr(layer, "tp_group", None) is group:
         return False, "MambaLayer stores pg_collection.tp as tp_group"
     return True, "MambaLayer does not store tp_group"
