@@ -139,13 +139,15 @@ def decided(fix_id: str, module_name: str, state: str, reason: str) -> None:
 
 
 def failed(fix_id: str, module_name: str, reason: str) -> None:
-    """A target whose patch raised: every rank's MegatronPatchWarning, the job's (rank 0's) log line."""
+    """A target whose patch raised: every rank's MegatronPatchWarning, the job's (rank 0's) log line.
+    The warning points where it pointed before the engine was split, at the call that reached the
+    target (failed <- _fail <- _patch <- _apply_target <- that call)."""
     import warnings
 
     from .errors import MegatronPatchWarning
 
     warnings.warn(
-        f"mcore_ckpt_fixes: {fix_id} not applied to {module_name}: {reason}", MegatronPatchWarning, stacklevel=4
+        f"mcore_ckpt_fixes: {fix_id} not applied to {module_name}: {reason}", MegatronPatchWarning, stacklevel=5
     )
     if logs.first_rank():
         logs.logger().warning("mcore_ckpt_fixes: %s failed on %s: %s", fix_id, module_name, reason)
