@@ -11,6 +11,7 @@ resume is not meant to be exact); ``resume_args`` lists several ways run C resum
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Tuple
 
 from ..fixes.mimo_optimizer.checks.scenarios import MIMO_SAVE_SIDE
@@ -27,6 +28,20 @@ STRICTNESS_LOADING = (
     "raise_all",
     "ignore_all",
 )
+
+
+def both_formats(cfg: Config):
+    """``cfg`` and its twin that saves the distributed optimizer in the other format: named with that
+    format as a suffix (``-fully-reshardable``, ``-dp-reshardable``), its summary saying it."""
+    other = "fully_reshardable" if cfg.optim_format == "dp_reshardable" else "dp_reshardable"
+    twin = replace(
+        cfg,
+        name=f"{cfg.name}-{other.replace('_', '-')}",
+        summary=cfg.summary.replace(f"({cfg.optim_format})", f"({other})"),
+        optim_format=other,
+    )
+    return cfg, twin
+
 
 CONFIGS = (
     Config("dense-tp2", "dense GPT, TP=2, distributed optimizer (dp_reshardable)", world=2, tp=2),
@@ -216,47 +231,31 @@ CONFIGS = (
         ),
     ),
     # Pipeline layouts: Megatron's own schedule (get_model, get_forward_backward_func, finalize_model_grads),
-    # tied embeddings on the first and last stage (Megatron's default).
-    Config(
-        "gpt-pp2",
-        "dense GPT, PP=2 (1F1B schedule, tied embeddings), distributed optimizer (dp_reshardable)",
-        world=2,
-        pp=2,
+    # tied embeddings on the first and last stage (Megatron's default); each with both optimizer formats.
+    *both_formats(
+        Config(
+            "gpt-pp2",
+            "dense GPT, PP=2 (1F1B schedule, tied embeddings), distributed optimizer (dp_reshardable)",
+            world=2,
+            pp=2,
+        )
     ),
-    Config(
-        "gpt-pp2-fully-reshardable",
-        "dense GPT, PP=2 (1F1B schedule, tied embeddings), distributed optimizer (fully_reshardable)",
-        world=2,
-        pp=2,
-        optim_format="fully_reshardable",
+    *both_formats(
+        Config(
+            "gpt-pp2-vpp2",
+            "dense GPT, interleaved PP=2 x VPP=2 (4 layers, 2 chunks per rank), distributed optimizer (dp_reshardable)",
+            world=2,
+            pp=2,
+            vpp=2,
+        )
     ),
-    Config(
-        "gpt-pp2-vpp2",
-        "dense GPT, interleaved PP=2 x VPP=2 (4 layers, 2 chunks per rank), distributed optimizer (dp_reshardable)",
-        world=2,
-        pp=2,
-        vpp=2,
-    ),
-    Config(
-        "gpt-pp2-vpp2-fully-reshardable",
-        "dense GPT, interleaved PP=2 x VPP=2 (4 layers, 2 chunks per rank), distributed optimizer (fully_reshardable)",
-        world=2,
-        pp=2,
-        vpp=2,
-        optim_format="fully_reshardable",
-    ),
-    Config(
-        "gpt-pp2-dp2",
-        "dense GPT, PP=2 x DP=2 on 4 ranks, distributed optimizer (dp_reshardable)",
-        world=4,
-        pp=2,
-    ),
-    Config(
-        "gpt-pp2-dp2-fully-reshardable",
-        "dense GPT, PP=2 x DP=2 on 4 ranks, distributed optimizer (fully_reshardable)",
-        world=4,
-        pp=2,
-        optim_format="fully_reshardable",
+    *both_formats(
+        Config(
+            "gpt-pp2-dp2",
+            "dense GPT, PP=2 x DP=2 on 4 ranks, distributed optimizer (dp_reshardable)",
+            world=4,
+            pp=2,
+        )
     ),
     Config(
         "gpt-pp2-dp2-overlap-buckets",
@@ -288,77 +287,48 @@ CONFIGS = (
         needs=("rerun-state-strict-load",),
         needs_releases=">=0.18",
     ),
-    Config(
-        "gpt-tp2-pp2-sp",
-        "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (dp_reshardable)",
-        world=4,
-        tp=2,
-        pp=2,
-        extra_args=("--sequence-parallel",),
+    *both_formats(
+        Config(
+            "gpt-tp2-pp2-sp",
+            "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (dp_reshardable)",
+            world=4,
+            tp=2,
+            pp=2,
+            extra_args=("--sequence-parallel",),
+        )
     ),
-    Config(
-        "gpt-tp2-pp2-sp-fully-reshardable",
-        "dense GPT, TP=2 x PP=2 with sequence parallelism on 4 ranks, distributed optimizer (fully_reshardable)",
-        world=4,
-        tp=2,
-        pp=2,
-        extra_args=("--sequence-parallel",),
-        optim_format="fully_reshardable",
+    *both_formats(
+        Config(
+            "moe-pp2-ep2",
+            "MoE GPT, PP=2 x EP=2 (x DP=2) on 4 ranks, distributed optimizer (dp_reshardable)",
+            world=4,
+            pp=2,
+            ep=2,
+            needs=("rng-under-ep",),
+        )
     ),
-    Config(
-        "moe-pp2-ep2-fully-reshardable",
-        "MoE GPT, PP=2 x EP=2 (x DP=2) on 4 ranks, distributed optimizer (fully_reshardable)",
-        world=4,
-        pp=2,
-        ep=2,
-        optim_format="fully_reshardable",
-        needs=("rng-under-ep",),
+    *both_formats(
+        Config(
+            "moe-tp2-ep2-etp2",
+            "MoE GPT, TP=2 with expert TP=2 and EP=2 (x DP=2) on 4 ranks, sequence parallel, distributed "
+            "optimizer (fully_reshardable)",
+            world=4,
+            tp=2,
+            ep=2,
+            etp=2,
+            optim_format="fully_reshardable",
+            needs=("rng-under-ep",),
+        )
     ),
-    Config(
-        "moe-tp2-ep2-etp2-dp-reshardable",
-        "MoE GPT, TP=2 with expert TP=2 and EP=2 (x DP=2) on 4 ranks, sequence parallel, distributed "
-        "optimizer (dp_reshardable)",
-        world=4,
-        tp=2,
-        ep=2,
-        etp=2,
-        needs=("rng-under-ep",),
-    ),
-    Config(
-        "moe-pp2-ep2",
-        "MoE GPT, PP=2 x EP=2 (x DP=2) on 4 ranks, distributed optimizer (dp_reshardable)",
-        world=4,
-        pp=2,
-        ep=2,
-        needs=("rng-under-ep",),
-    ),
-    Config(
-        "moe-tp2-ep2-etp2",
-        "MoE GPT, TP=2 with expert TP=2 and EP=2 (x DP=2) on 4 ranks, sequence parallel, distributed "
-        "optimizer (fully_reshardable)",
-        world=4,
-        tp=2,
-        ep=2,
-        etp=2,
-        optim_format="fully_reshardable",
-        needs=("rng-under-ep",),
-    ),
-    Config(
-        "gpt-tp2-pp2-dp2-fully-reshardable",
-        "dense GPT, TP=2 x PP=2 x DP=2 on 8 ranks, sequence parallel, distributed optimizer (fully_reshardable)",
-        world=8,
-        tp=2,
-        pp=2,
-        extra_args=("--sequence-parallel",),
-        optim_format="fully_reshardable",
-    ),
-    Config(
-        "gpt-tp2-pp2-dp2",
-        "dense GPT, TP=2 x PP=2 x DP=2 on 8 ranks, sequence parallel, distributed optimizer (dp_reshardable)",
-        world=8,
-        tp=2,
-        pp=2,
-        extra_args=("--sequence-parallel",),
+    *both_formats(
+        Config(
+            "gpt-tp2-pp2-dp2",
+            "dense GPT, TP=2 x PP=2 x DP=2 on 8 ranks, sequence parallel, distributed optimizer (dp_reshardable)",
+            world=8,
+            tp=2,
+            pp=2,
+            extra_args=("--sequence-parallel",),
+        )
     ),
     Config(
         "moe-ep2-bridge",
