@@ -270,7 +270,8 @@ def _fails_on_the_fresh_optimizer(off):
 
 
 # megatron.training's load_checkpoint takes dist_checkpointing.load's result as the state dict; with
-# return_unexpected / return_all it is (state dict, missing keys, unexpected keys).
+# return_unexpected / return_all it is (state dict, missing keys, unexpected keys) (catalogued:
+# dist-ckpt-strictness-return-tuple).
 RETURNED_TUPLE = "AttributeError: 'tuple' object has no attribute 'get'"
 # 0.19 matches the saved param groups to the new ones by their max_lr / min_lr (catalogued:
 # lr-change-resume-group-mismatch); 0.17 and 0.18 take the checkpoint's schedule, as the option says.
