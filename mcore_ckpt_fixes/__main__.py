@@ -49,6 +49,20 @@ def _fix_ids(text, resume):
     return [fix_id for fix_id in ORDER if fix_id in asked]
 
 
+def _own_job_usage(args) -> str:
+    """Why the own-job options are refused together ('' when they are not)."""
+    job = args.megatron_args is not None or args.megatron_args_file is not None
+    if (job or args.compare or args.allow_drop or args.print_launch) and not args.resume:
+        return "--megatron-args, --megatron-args-file, --allow-drop, --print-launch and --compare go with --resume"
+    if args.compare and (job or args.print_launch):
+        return "--compare judges runs already made: give it alone, without the job's arguments"
+    if (args.print_launch or args.allow_drop) and not job:
+        return "--print-launch and --allow-drop need the job's arguments (--megatron-args or --megatron-args-file)"
+    if (job or args.compare) and args.config is not None:
+        return "--config names the built-in configurations; your own job is given by --megatron-args"
+    return ""
+
+
 def _add_selftest(sub) -> None:
     p_self = sub.add_parser(
         "selftest",
@@ -95,6 +109,40 @@ def _add_selftest(sub) -> None:
         action="store_true",
         help="run the resume check instead: train, save, stop, resume in new processes, and "
         "compare with the uninterrupted run bit for bit, with the fixes on and off",
+    )
+    own = p_self.add_argument_group("your own job (with --resume)")
+    own.add_argument(
+        "--megatron-args",
+        metavar="ARGS",
+        default=None,
+        help="check your own job: its pretrain_gpt.py arguments, in one string; parsed and validated by "
+        "this Megatron release, the model shrunk, everything else kept",
+    )
+    own.add_argument(
+        "--megatron-args-file",
+        metavar="FILE",
+        default=None,
+        help="the same from a launch script (torchrun ... pretrain_gpt.py ${ARGS[@]}) or an argument file; "
+        "with --megatron-args too, those come after the file's",
+    )
+    own.add_argument(
+        "--allow-drop",
+        action="store_true",
+        help="run without what this host cannot keep (Transformer Engine, fp8, flash attention, a world too "
+        "large ...); without it the check refuses, naming them",
+    )
+    own.add_argument(
+        "--print-launch",
+        metavar="DIR",
+        default=None,
+        help="write the shrunk job to DIR and print the torchrun / srun commands of each run, for a job "
+        "whose world does not fit this host",
+    )
+    own.add_argument(
+        "--compare",
+        metavar="DIR",
+        default=None,
+        help="judge the runs that --print-launch's commands wrote into DIR",
     )
     p_self.add_argument(
         "--attribution",
@@ -167,6 +215,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         if isinstance(only, str):
             print(f"mcore-ckpt-fixes selftest: error: {only}", file=sys.stderr)
             return 2
+        own = _own_job_usage(args)
+        if own:
+            print(f"mcore-ckpt-fixes selftest: error: {own}", file=sys.stderr)
+            return 2
+        if args.resume and (args.megatron_args or args.megatron_args_file or args.compare):
+            from .cli.selftest_own import run as run_own
+
+            return run_own(
+                megatron_args=args.megatron_args,
+                args_file=args.megatron_args_file,
+                device=args.device,
+                nproc=args.nproc,
+                as_json=args.json,
+                allow_drop=args.allow_drop,
+                attribution=args.attribution,
+                print_launch=args.print_launch,
+                compare=args.compare,
+            )
         if args.resume:
             from .cli.selftest_resume import run as run_resume
 

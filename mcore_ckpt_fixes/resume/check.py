@@ -45,14 +45,7 @@ AS_RELEASE = "as-release"
 
 def prepare() -> None:
     """Import in the parent what every rank uses, once (forked ranks then start warm)."""
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.training.arguments  # noqa: F401
-    import megatron.training.checkpointing  # noqa: F401
-    import megatron.training.initialize  # noqa: F401
-    import megatron.training.training  # noqa: F401
-
+    prepare_core()
     from ..fixes.mimo_optimizer.checks.core import prepare as prepare_mimo
     from .bridge import prepare as prepare_bridge
     from .ms_swift import prepare as prepare_ms_swift
@@ -64,13 +57,24 @@ def prepare() -> None:
     prepare_ms_swift()
 
 
+def prepare_core() -> None:
+    """What the GPT jobs' ranks import (Megatron-Core's and megatron.training's modules)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.training.arguments  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.training.initialize  # noqa: F401
+    import megatron.training.training  # noqa: F401
+
+
 def _peer_lost(error) -> bool:
     last = (error or "").strip().splitlines()[-1:]
     return bool(last) and ("Connection closed by peer" in last[0] or "Connection reset by peer" in last[0])
 
 
-def run_phase(cfg, phase, ckpt_dir, env, device, timeout):
-    kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=STEPS, resume_at=RESUME_AT, device=device)
+def run_phase(cfg, phase, ckpt_dir, env, device, timeout, steps=STEPS, resume_at=RESUME_AT):
+    kwargs = dict(cfg=cfg, phase=phase, ckpt_dir=ckpt_dir, steps=steps, resume_at=resume_at, device=device)
     # On a GPU: forked where a fork can still use the GPU, else fresh interpreters (gloo still, so
     # that several ranks may share one GPU).
     method = cuda_method() if device == "cuda" else "fork"

@@ -62,6 +62,14 @@ def cuda_to_cpu_mode():
                 # ``torch.cuda.*Tensor``: report the CPU tensors by their CUDA names.
                 name = func(*args)
                 return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            if func is torch.distributed.all_to_all_single:
+                # MoE's all-to-all dispatcher moves its split sizes to the host as NumPy arrays
+                # only when they are on a GPU; on the CPU they stay tensors, which the collective's
+                # binding refuses: hand it the lists the GPU path ends with.
+                args = tuple(a.tolist() if i in (2, 3) and torch.is_tensor(a) else a for i, a in enumerate(args))
+                kwargs = {
+                    k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v for k, v in kwargs.items()
+                }
             if func is torch.Tensor.to and any(is_cuda(a) for a in args[1:]):
                 args = tuple("cpu" if is_cuda(a) else a for a in args)
             return func(*args, **kwargs)
@@ -69,8 +77,26 @@ def cuda_to_cpu_mode():
     return CudaToCpu()
 
 
+class NoEvent:
+    """An event of a :class:`NoStream`: already reached."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
 class NoStream:
     """What ``torch.cuda.current_stream()`` hands back on a CPU run: CPU work is ordered already."""
+
+    def record_event(self, event=None):
+        # MoE's all-to-all dispatcher records the copy of its token counts to the host on a stream
+        # of its own, and waits for that event later.
+        return event if event is not None else NoEvent()
 
     def wait_event(self, event):
         pass

@@ -53,7 +53,15 @@ def training_checkpointing():
     return checkpointing
 
 
+def run_options(ckpt_dir, steps) -> list:
+    """What each run adds to a user's own job (``Config.megatron_argv``): its checkpoint directory
+    (saved every step it is asked to save) and its length."""
+    return ["--save", ckpt_dir, "--load", ckpt_dir, "--save-interval", "1", "--train-iters", str(steps)]
+
+
 def _argv(cfg, ckpt_dir, steps, resume_args=()):
+    if cfg.megatron_argv:  # a user's own job: its arguments, this run's length and directory
+        return ["mcore-ckpt-fixes-resume", *cfg.megatron_argv, *run_options(ckpt_dir, steps), *resume_args]
     argv = [
         "mcore-ckpt-fixes-resume",
         "--num-layers",
@@ -346,6 +354,11 @@ def snapshot(model, optimizer, scheduler):
                 state[f"optim{i}:group{g}:main{j}"] = p.detach().clone().cpu()
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     state[f"optim{i}:group{g}:state{j}:{key}"] = _scalar(value)
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        scaler = getattr(opt, "grad_scaler", None)  # fp16's loss scale and its trackers
+        if scaler is not None:
+            for key, value in sorted(scaler.state_dict().items()):
+                state[f"scaler{i}:{key}"] = _scalar(value)
     for key, value in sorted(scheduler.state_dict().items()):
         state[f"scheduler:{key}"] = _scalar(value)
     state["rng:python"] = random.getstate()
@@ -388,10 +401,10 @@ def start(cfg, args, cpu_gen):
     as Megatron's schedule needs). (``--async-save`` without a persistent worker ``validate_args``
     turns off; with one, the worker needs a GPU or nvidia-resiliency-ext, and the job does not
     start it.)"""
-    if cfg.rerun_mode or cfg.pp > 1:
+    if cfg.rerun_mode or cfg.pp > 1 or cfg.megatron_argv:
         rerun_machine(args)
     seed(args)
-    if cfg.pp > 1:
+    if cfg.pp > 1 or cfg.megatron_argv:
         from . import pipeline_job
 
         model, optimizer, scheduler = pipeline_job.build(args, cfg)
@@ -404,10 +417,11 @@ def initialize_parallel(cfg, args):
     from megatron.core import parallel_state as mpu
 
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp,
-        pipeline_model_parallel_size=cfg.pp,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=cfg.ep or 1,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
 

@@ -58,6 +58,10 @@ class Config:
     # Releases (a specifier) on which ``needs`` is what the fixes-off run shows; empty: wherever
     # the fix applies. A fix may apply to a release for a defect this configuration does not reach.
     needs_releases: str = ""
+    # A user's own job (selftest --resume --megatron-args): its shrunk Megatron arguments, given as
+    # they are (the run's length and checkpoint directory added); the model is built as
+    # pretrain_gpt builds it from them. Empty: the arguments come from the fields above.
+    megatron_argv: Tuple[str, ...] = ()
     job: str = "mcore_ckpt_fixes.testing.gpt_job:run"  # one rank of one run
     requires: str = ""  # a module the release must have, else the configuration is not applicable
 
@@ -87,4 +91,5 @@ class Config:
     @property
     def sequence_parallel(self) -> bool:
         """MoE under TP trains only with sequence parallel (the job adds it); a dense job asks for it."""
-        return self.tp > 1 and (bool(self.ep) or "--sequence-parallel" in self.extra_args)
+        asked = "--sequence-parallel" in self.extra_args + self.megatron_argv
+        return self.tp > 1 and (bool(self.ep) or asked)

@@ -56,6 +56,10 @@ def model_provider(args, cfg, pre_process=True, post_process=True, vp_stage=None
     config = arguments.core_transformer_config_from_args(args)
     if _keeps_outputs(cfg):
         config.deallocate_pipeline_outputs = False
+    if cfg.megatron_argv:  # a user's own job: its model as pretrain_gpt builds it
+        from .own_model import gpt
+
+        return gpt(args, config, pre_process, post_process, vp_stage)
     spec = get_gpt_layer_local_spec(num_experts=cfg.ep or None, moe_grouped_gemm=False)
     where = {"vp_stage": vp_stage} if vp_stage is not None else {}
     return GPTModel(
@@ -149,7 +153,10 @@ def train_step(model, optimizer, scheduler, args, iterators):
             forward_only=False,
         )
     ok, grad_norm, _ = optimizer.step()
-    assert ok, "the optimizer skipped a step (overflow): the run would not be comparable"
-    scheduler.step(increment=args.global_batch_size)
+    # fp16's dynamic loss scale skips the steps that overflow (the first ones, while the scale comes
+    # down): megatron.training then leaves the scheduler where it is. Any other skip is not expected.
+    assert ok or args.fp16, "the optimizer skipped a step (overflow): the run would not be comparable"
+    if ok:
+        scheduler.step(increment=args.global_batch_size)
     loss = float(sum(r["loss"] for r in reduced)) if reduced else None
-    return loss, float(grad_norm)
+    return loss, None if grad_norm is None else float(grad_norm)
