@@ -63,6 +63,44 @@ def _own_job_usage(args) -> str:
     return ""
 
 
+def _add_own_job(p_self) -> None:
+    """``selftest --resume``'s options for the user's own job."""
+    own = p_self.add_argument_group("your own job (with --resume)")
+    own.add_argument(
+        "--megatron-args",
+        metavar="ARGS",
+        default=None,
+        help="check your own job: its pretrain_gpt.py arguments, in one string; parsed and validated by "
+        "this Megatron release, the model shrunk, everything else kept",
+    )
+    own.add_argument(
+        "--megatron-args-file",
+        metavar="FILE",
+        default=None,
+        help="the same from a launch script (torchrun ... pretrain_gpt.py ${ARGS[@]}) or an argument file; "
+        "with --megatron-args too, those come after the file's",
+    )
+    own.add_argument(
+        "--allow-drop",
+        action="store_true",
+        help="run without what this host cannot keep (Transformer Engine, fp8, flash attention, a world too "
+        "large ...); without it the check refuses, naming them",
+    )
+    own.add_argument(
+        "--print-launch",
+        metavar="DIR",
+        default=None,
+        help="write the shrunk job to DIR and print the torchrun / srun commands of each run, for a job "
+        "whose world does not fit this host",
+    )
+    own.add_argument(
+        "--compare",
+        metavar="DIR",
+        default=None,
+        help="judge the runs that --print-launch's commands wrote into DIR",
+    )
+
+
 def _add_selftest(sub) -> None:
     p_self = sub.add_parser(
         "selftest",
@@ -110,40 +148,7 @@ def _add_selftest(sub) -> None:
         help="run the resume check instead: train, save, stop, resume in new processes, and "
         "compare with the uninterrupted run bit for bit, with the fixes on and off",
     )
-    own = p_self.add_argument_group("your own job (with --resume)")
-    own.add_argument(
-        "--megatron-args",
-        metavar="ARGS",
-        default=None,
-        help="check your own job: its pretrain_gpt.py arguments, in one string; parsed and validated by "
-        "this Megatron release, the model shrunk, everything else kept",
-    )
-    own.add_argument(
-        "--megatron-args-file",
-        metavar="FILE",
-        default=None,
-        help="the same from a launch script (torchrun ... pretrain_gpt.py ${ARGS[@]}) or an argument file; "
-        "with --megatron-args too, those come after the file's",
-    )
-    own.add_argument(
-        "--allow-drop",
-        action="store_true",
-        help="run without what this host cannot keep (Transformer Engine, fp8, flash attention, a world too "
-        "large ...); without it the check refuses, naming them",
-    )
-    own.add_argument(
-        "--print-launch",
-        metavar="DIR",
-        default=None,
-        help="write the shrunk job to DIR and print the torchrun / srun commands of each run, for a job "
-        "whose world does not fit this host",
-    )
-    own.add_argument(
-        "--compare",
-        metavar="DIR",
-        default=None,
-        help="judge the runs that --print-launch's commands wrote into DIR",
-    )
+    _add_own_job(p_self)
     p_self.add_argument(
         "--attribution",
         action="store_true",

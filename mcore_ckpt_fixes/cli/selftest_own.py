@@ -72,8 +72,9 @@ def run(
     try:
         argv, _ = read_job(megatron_args, args_file)
         with contextlib.redirect_stdout(sys.stderr):
-            # Launched on the user's own cluster: the job's layout and kernels are all kept.
-            host = dict(device="cuda", host_ranks=10**9) if print_launch else dict(device=device)
+            # Launched on the user's own cluster (--device cuda: its GPUs, the job's kernels kept):
+            # no host limit on the layout.
+            host = dict(device=device, host_ranks=10**9) if print_launch else dict(device=device)
             plan = own_shrink.plan(argv, nproc=nproc, **host)
     except ValueError as exc:
         return _refuse(str(exc))

@@ -44,9 +44,6 @@ def main(argv=None) -> int:
 
     import mcore_ckpt_fixes  # noqa: F401  (the flags above, applied as the release's modules import)
 
-    from ..testing import gpt_job
-    from .own_job import SAVE_AT, STEPS, read_plan, result_path
-
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local)
@@ -54,16 +51,26 @@ def main(argv=None) -> int:
         from ..testing import _cpu_shims as cpu_shims
 
         cpu_shims.install()
-    cfg = read_plan(os.path.join(directory, "plan.json"))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    write_result(rank, world, directory, phase, mode, device="cuda" if cuda else "cpu")
+    return 0
+
+
+def write_result(rank, world, directory, phase, mode, device="cpu"):
+    """This rank's run of ``phase`` (its process group up, its fix flags those of ``mode``), its
+    result written where :func:`.own_job.read_results` looks; also a world entry point for
+    :func:`mcore_ckpt_fixes.testing.launcher.run_world`."""
+    from ..testing import gpt_job
+    from .own_job import SAVE_AT, STEPS, read_plan, result_path
+
+    cfg = read_plan(os.path.join(directory, "plan.json"))
     ckpt = os.path.join(directory, f"checkpoint-{mode}")
-    value = gpt_job.run(rank, world, cfg, phase, ckpt, STEPS, SAVE_AT, device="cuda" if cuda else "cpu")
+    value = gpt_job.run(rank, world, cfg, phase, ckpt, STEPS, SAVE_AT, device=device)
     path = result_path(directory, (phase, mode), rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         pickle.dump(value, f)
     os.replace(path + ".tmp", path)
-    return 0
 
 
 if __name__ == "__main__":

@@ -130,13 +130,24 @@ def parse(argv, world: int, validate: bool = True) -> argparse.Namespace:
         said = [line for line in err.getvalue().splitlines() if line.strip()]
         raise ValueError(f"the release's parser refuses them: {said[-1] if said else 'exit'}") from None
     except (AssertionError, ValueError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"the release's validate_args refuses them: {exc or type(exc).__name__}") from None
+        raise ValueError(f"the release's validate_args refuses them: {_said(exc)}") from None
     finally:
         if saved_env is None:
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = saved_env
     return args
+
+
+def _said(exc) -> str:
+    """An exception in one line: its message, or for a bare ``assert`` the line that failed."""
+    import traceback
+
+    text = " ".join(str(exc).split())
+    if text:
+        return text
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{type(exc).__name__} at `{frames[-1].line}`" if frames else type(exc).__name__
 
 
 @contextlib.contextmanager
