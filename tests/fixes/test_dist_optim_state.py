@@ -46,16 +46,17 @@ def test_unpatched_shows_the_documented_failure(worlds, case, mcore_version):
         assert SCENARIOS[case].bug_for(mcore_version).seen_in(results)
 
 
-def test_unpatched_fresh_save_cannot_be_loaded(worlds):
+@pytest.mark.parametrize("case", ["fresh_save", "fresh_save_torch_adam"])
+def test_unpatched_fresh_save_cannot_be_loaded(worlds, case):
     """A checkpoint saved before the first step holds no moments: Megatron's own load request
     (is_loading=True) asks for them and the load stops; the save itself left training untouched."""
-    for rank, r in enumerate(w["fresh_save"] for w in worlds[False]):
+    for rank, r in enumerate(w[case] for w in worlds[False]):
         assert r["phase"] == "load" and "exp_avg from model not in state dict" in r["error"], (rank, r["error"])
         unsaved = {k: d for k, d in r["max_delta"].items() if k.startswith("unsaved/")}
         assert unsaved and set(unsaved.values()) == {0.0}, (rank, unsaved)
 
 
-@pytest.mark.parametrize("case", list(UNPATCHED) + ["fresh_save"])
+@pytest.mark.parametrize("case", list(UNPATCHED) + ["fresh_save", "fresh_save_torch_adam"])
 def test_patched_restores_the_whole_state_and_the_next_step_matches(worlds, case):
     for rank, r in enumerate(w[case] for w in worlds[True]):
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
@@ -64,12 +65,16 @@ def test_patched_restores_the_whole_state_and_the_next_step_matches(worlds, case
         # after the load: what was saved (the moments too, where the source had taken a step); after
         # one more step: the uninterrupted run's main parameters, moments and model parameters
         kinds = {"/".join(k.split("/")[:2]) if k.startswith(("next/", "unsaved/")) else k.split("/")[0] for k in deltas}
-        saved = {"model", "main"} if case == "fresh_save" else {"model", "main", "exp_avg", "exp_avg_sq"}
+        fresh_save = case.startswith("fresh_save")
+        saved = {"model", "main"} if fresh_save else {"model", "main", "exp_avg", "exp_avg_sq"}
         expected = saved | {f"next/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")}
-        if case == "fresh_save":  # and the source, which saved before its first step, trained on as if it had not
+        if fresh_save:  # and the source, which saved before its first step, trained on as if it had not
             expected |= {f"unsaved/{k}" for k in ("model", "main", "exp_avg", "exp_avg_sq")}
         assert kinds == expected, (rank, kinds)
         assert set(deltas.values()) == {0.0}, (rank, {k: d for k, d in deltas.items() if d})
+        # A checkpoint saved before the first step leaves the optimizer as the source was: no state
+        # (no zero moments either) until its first step, where Adam creates its own.
+        assert r["not_saved"] == [], (rank, r["not_saved"])
 
 
 def test_probe_finds_the_three_defects(mcore_version):

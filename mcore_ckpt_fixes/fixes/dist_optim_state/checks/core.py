@@ -16,11 +16,14 @@ optimizer path users train on (``apex``: Apex FusedAdam's interface, the CPU sta
 * ``no_metadata`` (b): save and load requests name no format (``sharded_state_dict(model_sd)``);
 * ``fp32_load`` (c): an fp32 model (no bf16), loaded outside ``torch.no_grad()``;
 * ``fresh_save``: a source that has taken no step saves with ``is_loading=False`` and trains on; it
-  must train exactly as a twin that never saved, and a target loads what it wrote.
+  must train exactly as a twin that never saved, and a target loads what it wrote and holds, as the
+  source did, no optimizer state until its first step (an fp16 run whose first steps overflow saves
+  so); ``fresh_save_torch_adam``: the same on torch's Adam.
 
 Checked on every rank: each phase completes; every state tensor the source had at the save is there
-after the load; the main-parameter shards, moments and model parameters equal what was saved
-(``max_delta``) and, after one more step, the uninterrupted run's (``next/...``).
+after the load, and none it did not have (``not_saved``); the main-parameter shards, moments and
+model parameters equal what was saved (``max_delta``) and, after one more step, the uninterrupted
+run's (``next/...``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ CASES = {
     "no_metadata": Case(None, is_loading=True),
     "fp32_load": Case("dp_reshardable", is_loading=True, bf16=False),
     "fresh_save": Case("dp_reshardable", is_loading=True, source_steps=0),
+    "fresh_save_torch_adam": Case("dp_reshardable", is_loading=True, apex=False, source_steps=0),
 }
 
 
@@ -139,6 +143,10 @@ def run_case(name, ckpt_dir, patched, cache=None):
         if missing:
             kinds = sorted({k.split("/")[0] for k in missing})
             raise AssertionError(f"the load restored no {', '.join(kinds)}")
+        rt["not_saved"] = sorted(k for k in got if k not in saved)
+        if rt["not_saved"]:  # e.g. zero moments where the source, which had not stepped, had none
+            kinds = sorted({k.split("/")[0] for k in rt["not_saved"]})
+            raise AssertionError(f"the load left state the source did not have: {', '.join(kinds)}")
         step(model, opt, case.source_steps)
         rt.compare(saved, got)
         rt.compare(reference, local_state(model, opt), prefix="next/")

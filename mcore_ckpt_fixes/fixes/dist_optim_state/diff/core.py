@@ -6,6 +6,9 @@ round trips with the monkeypatch off):
 * ``sharded_state_dict`` without ``is_loading`` on an optimizer that has no state yet describes the
   state Adam starts from (``init_state_fn``'s zero moments, step 0 on torch's Adam) and leaves the
   optimizer without state (a new method, ``_has_no_optimizer_state``, says when);
+* ``load_state_dict`` of a checkpoint whose parameter state is that of an Adam that had not
+  stepped (no step counted, zero moments: what the request above saves) leaves the optimizer
+  without state, as the run that saved it was (a new method, ``_loaded_before_first_step``);
 * the format a call that names none gets is ``dp_reshardable``;
 * ``load_parameter_state_from_dp_reshardable`` is ``@torch.no_grad()``, as its siblings are.
 
@@ -14,7 +17,7 @@ Edits for the release lines whose ``sharded_state_dict`` takes ``metadata`` (0.1
 
 from __future__ import annotations
 
-from ....sourcediff import Replace, insert_before
+from ....sourcediff import Replace, insert_after, insert_before
 
 TARGET = "megatron/core/optimizer/distrib_optimizer.py"
 
@@ -58,6 +61,40 @@ _DEFAULT_NEW = (
     "{indent}# what Megatron-LM's save_checkpoint asks for.\n"
     "{indent}'distrib_optim_sharding_type', 'dp_reshardable'"
 )
+_LOADED_BEFORE_FIRST_STEP = '''    def _loaded_before_first_step(self) -> bool:
+        """The optimizer holds what a checkpoint of an Adam that had not stepped restores: no
+        step counted (FusedAdam counts in its param groups, torch's Adam per parameter) and every
+        moment zero, the state sharded_state_dict describes for an optimizer without state."""
+        if (
+            self.init_state_fn is None
+            or self.ddp_config.use_megatron_fsdp
+            or self.config.use_precision_aware_optimizer
+            or isinstance(self.optimizer, HybridDeviceOptimizer)
+            or not isinstance(self.optimizer, (Adam, torch.optim.Adam, torch.optim.AdamW))
+            or any(group.get("step") for group in self.optimizer.param_groups)
+        ):
+            return False
+        states = [s for s in self.optimizer.state.values() if s]
+        for s in states:
+            if not {"exp_avg", "exp_avg_sq", "step"}.issuperset(s):
+                return False
+            if s.get("step") is not None and float(s["step"]) != 0.0:
+                return False
+            if any(s[k].any() for k in ("exp_avg", "exp_avg_sq") if k in s):
+                return False
+        return bool(states)
+
+'''
+_LOAD_END = (
+    "                self.load_parameter_state_from_fs_model_space(param_state)\n"
+    "            else:\n"
+    "                raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')\n"
+)
+_LOAD_FRESH = """            if self._loaded_before_first_step():
+                # Saved before the optimizer's first step: the run that saved it had no optimizer
+                # state. Leave none, as that run has; Adam creates the same zeros at its first step.
+                self.optimizer.state.clear()
+"""
 _LOAD_DP = "    def load_parameter_state_from_dp_reshardable(self, state_dict):\n"
 
 
@@ -66,5 +103,7 @@ def source_edits(release: str) -> list:
         insert_before(TARGET, "    def sharded_state_dict(\n", _HAS_NO_STATE),
         Replace(TARGET, _DEFAULT_OLD, _DEFAULT_NEW),
         insert_before(TARGET, _DESCRIBE_ANCHOR, _DESCRIBE_FRESH),
+        insert_after(TARGET, _LOAD_END, _LOAD_FRESH),
+        insert_before(TARGET, "    def _get_main_param_and_optimizer_states(self, model_param):\n", _LOADED_BEFORE_FIRST_STEP),
         insert_before(TARGET, _LOAD_DP, "    @torch.no_grad()\n"),
     ]

@@ -1,4 +1,4 @@
-"""dist-optim-state's monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: wrappers of two
+"""dist-optim-state's monkeypatch on ``megatron.core.optimizer.distrib_optimizer``: wrappers of three
 ``DistributedOptimizer`` methods, the probe and apply. Why: the package's docstring. Imported only
 when the target module is.
 
@@ -48,19 +48,25 @@ def names_no_format(call) -> bool:
     return metadata is None or (isinstance(metadata, dict) and FORMAT_KEY not in metadata)
 
 
-def _fresh(self) -> bool:
-    """(a): this optimizer has taken no step and loaded nothing (no parameter has state), and its
-    state is plain tensors in ``self.optimizer.state`` that ``init_state_fn`` creates."""
+def _plain_state(self) -> bool:
+    """This optimizer's state is plain tensors in ``self.optimizer.state`` that ``init_state_fn``
+    creates (not Megatron-FSDP's, the precision-aware optimizer's or the hybrid optimizer's)."""
     module = sys.modules[MODULE]
     config, ddp_config = getattr(self, "config", None), getattr(self, "ddp_config", None)
     hybrid = getattr(module, "HybridDeviceOptimizer", None)
-    if (
+    return not (
         getattr(self, "init_state_fn", None) is None
         or getattr(ddp_config, "use_megatron_fsdp", False)
         or getattr(ddp_config, "use_custom_fsdp", False)
         or getattr(config, "use_precision_aware_optimizer", False)
         or (hybrid is not None and isinstance(self.optimizer, hybrid))
-    ):
+    )
+
+
+def _fresh(self) -> bool:
+    """(a): this optimizer has taken no step and loaded nothing (no parameter has state), and its
+    state is plain tensors (:func:`_plain_state`)."""
+    if not _plain_state(self):
         return False
     params = [p for group in self.optimizer.param_groups for p in group["params"]]
     return bool(params) and not any(self.optimizer.state.get(p) for p in params)
@@ -101,6 +107,52 @@ def sharded_state_dict(release, self, *args, **kwargs):
         with _zero_moments(self):
             return release(*call.args, **call.kwargs)
     return release(*call.args, **call.kwargs)
+
+
+# -- (a), the load side: a checkpoint saved before Adam's first step ---------------------------------
+
+ADAM_STATE = frozenset(("exp_avg", "exp_avg_sq", "step"))
+
+
+def _adam(optimizer) -> bool:
+    """Torch's Adam or AdamW, or the Adam the release imported (TE's or Apex's FusedAdam): the
+    optimizers whose step count says whether they have stepped."""
+    import torch
+
+    kinds = (torch.optim.Adam, torch.optim.AdamW, getattr(sys.modules[MODULE], "Adam", None))
+    return isinstance(optimizer, tuple(k for k in kinds if isinstance(k, type)))
+
+
+def loaded_before_first_step(self) -> bool:
+    """The optimizer holds what a checkpoint of an Adam that had not stepped restores: no step
+    counted (FusedAdam counts in its param groups, torch's Adam per parameter) and every moment zero,
+    the state (a) describes for an optimizer without state."""
+    if not _plain_state(self) or not _adam(self.optimizer):
+        return False
+    if any(group.get("step") for group in self.optimizer.param_groups):
+        return False
+    states = [s for s in self.optimizer.state.values() if s]
+    for s in states:
+        if not ADAM_STATE.issuperset(s) or (s.get("step") is not None and float(s["step"]) != 0.0):
+            return False
+        if any(s[k].any() for k in ("exp_avg", "exp_avg_sq") if k in s):
+            return False
+    return bool(states)
+
+
+@layer(ID, MODULE, "load_state_dict", owner=CLASS)
+def load_state_dict(release, self, state_dict):
+    """``DistributedOptimizer.load_state_dict``; where the checkpoint's parameter state is that of an
+    Adam that had not stepped (saved before its first step, fp16 runs whose first steps overflow
+    among them), the optimizer is left without state, as the run that saved it was: Adam creates the
+    same zero moments at its first step, and a resumed run then holds what the uninterrupted one
+    holds, step for step. The release's own call from ``sharded_state_dict(is_loading=True)``
+    carries no parameter state and is left as it is."""
+    result = release(self, state_dict)
+    if isinstance(state_dict, dict) and "param_state" in state_dict and loaded_before_first_step(self):
+        self.optimizer.state.clear()
+        log.debug("%s: a checkpoint saved before the optimizer's first step: no optimizer state kept", ID)
+    return result
 
 
 # -- (c): load_parameter_state_from_dp_reshardable ----------------------------------------------------
@@ -262,5 +314,7 @@ def apply(module: types.ModuleType, patcher: Patcher) -> None:
     _DEFECTS.update({name: True for name in found})
     if "fresh_request" in found or "default_format" in found:
         patcher.replace(cls, "sharded_state_dict", sharded_state_dict)
+    if "fresh_request" in found:
+        patcher.replace(cls, "load_state_dict", load_state_dict)
     if "no_grad_load" in found:
         patcher.replace(cls, "load_parameter_state_from_dp_reshardable", load_parameter_state_from_dp_reshardable)
