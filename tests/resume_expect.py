@@ -219,6 +219,9 @@ def _assert_ways_without_the_fixes(cfg, out):
     if cfg.name == "dense-dp2-new-lr-checkpoint-scheduler":
         _assert_new_lr_refused_from_019(cfg, out)
         return
+    if cfg.name == "dense-dp2-new-wd-checkpoint-scheduler":
+        _assert_first_step_with_the_new_weight_decay(cfg, out)
+        return
     _assert_strictness_values_without_the_fixes(cfg, out)
 
 
@@ -236,6 +239,22 @@ def _assert_new_lr_refused_from_019(cfg, out):
     assert way["verdict"] == "error", resume_fail_text(way)
     assert way["errors"] == [[rank, NEW_LR_GROUPS] for rank in range(cfg.world)], way["errors"]
     assert "load_checkpoint" in way["detail"], way["detail"][-2000:]
+
+
+def _assert_first_step_with_the_new_weight_decay(cfg, out):
+    """A new --weight-decay with --use-checkpoint-opt_param-scheduler, every fix off: the scheduler's
+    load steps the param groups with the new weight decay before it restores the checkpoint's, so the
+    first resumed update decays with 0.05 (its loss, computed before the update, is exact; the next
+    one differs), and the scheduler's next step writes the checkpoint's 0.01 again: at the end the
+    groups and the scheduler agree with the uninterrupted run, the parameters and the optimizer's
+    main values do not (fix scheduler-checkpoint-wd, NVIDIA/Megatron-LM#7468)."""
+    ((args, way),) = each_way(cfg, out["off"])
+    assert out["needed_here"] == ["scheduler-checkpoint-wd"], out["needed_here"]
+    assert way["verdict"] == "inexact", resume_fail_text(way)
+    for r in way["ranks"]:
+        assert r["first_step"] == resume.RESUME_AT + 2, resume_fail_text(way)
+        assert any(n.startswith("param:") for n in r["differ_all"]), r["differ_all"]
+        assert not [n for n in r["differ_all"] if n.startswith("scheduler:") or n.endswith(":weight_decay")], r
 
 
 def _assert_strictness_values_without_the_fixes(cfg, out):

@@ -53,7 +53,10 @@ def test_writes_a_skeleton_the_engine_finds(tree):
     for rel in ("__init__.py", "runtime/core.py", "checks/scenarios.py", "checks/core.py", "doc.md", "bugs.json"):
         assert (home / rel).is_file(), rel
     assert (tree / "tests" / "fixes" / f"test_{pkg}.py").is_file()
-    assert f"- `{NEW}`: NOT WRITTEN YET" in (tree / "CHANGELOG.md").read_text()
+    changelog = (tree / "CHANGELOG.md").read_text()
+    # A line of its own, the first of the Unreleased section's Added list, the entries after it intact.
+    after = changelog.split("## [Unreleased]", 1)[1].split("### Added\n", 1)[1].lstrip("\n").splitlines()
+    assert after[0].startswith(f"- `{NEW}`: NOT WRITTEN YET") and after[1].startswith("- "), after[:2]
     check = (
         "from mcore_ckpt_fixes.engine.registry import ENGINE\n"
         "from mcore_ckpt_fixes.testing import for_fix\n"

@@ -236,7 +236,10 @@ def add_to_changelog(fix_id: str) -> None:
             + text[start + len("## [Unreleased]\n") :]
         )
     else:
-        at = added + len("### Added\n\n")
+        # The first entry of the section, after the blank line that may follow the heading.
+        at = added + len("### Added\n")
+        if text.startswith("\n", at):
+            at += 1
         text = text[:at] + line + text[at:]
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

@@ -36,4 +36,5 @@ ORDER = (
     "rerun-state-strict-load",
     "scheduler-override-group-lr",
     "fsdp-dtensor-pp-guard",
+    "scheduler-checkpoint-wd",
 )

@@ -216,6 +216,15 @@ CONFIGS = (
         needs_releases=">=0.19",
     ),
     Config(
+        "dense-dp2-new-wd-checkpoint-scheduler",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed with a new --weight-decay and "
+        "--use-checkpoint-opt_param-scheduler: the checkpoint's weight decay from the first resumed step on, exactly",
+        world=2,
+        resume_args=(("--use-checkpoint-opt_param-scheduler", "--weight-decay", "0.05"),),
+        # Without the fix the first resumed step decays with 0.05, the saved 0.01 from the next one on.
+        needs=("scheduler-checkpoint-wd",),
+    ),
+    Config(
         "dense-dp2-resume-options",
         "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed once per option whose resume is "
         "not meant to equal the uninterrupted run (in one world), each held to the release's own resume",

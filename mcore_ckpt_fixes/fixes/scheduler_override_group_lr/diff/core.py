@@ -1,14 +1,14 @@
 """scheduler-override-group-lr as Megatron-Core would carry it, in
 ``megatron/core/optimizer_param_scheduler.py``: ``__init__`` records each param group's max_lr /
-min_lr as the run built them, and ``load_state_dict`` ends, under ``override_opt_param_scheduler``,
-by giving the groups those values back and setting their lr / weight decay from them: the same
-change as runtime/core.py's wrappers. tests/patches proves the diff by running the same round trip
-with the monkeypatch off.
+min_lr as the run built them, and ``load_state_dict``, under ``override_opt_param_scheduler``, gives
+the groups those values back once it has stepped them and sets their lr / weight decay from them:
+the same values as runtime/core.py's wrappers give (there, after the whole load). tests/patches
+proves the diff by running the same round trip with the monkeypatch off.
 """
 
 from __future__ import annotations
 
-from ....sourcediff import Replace, insert_after
+from ....sourcediff import insert_after
 
 TARGET = "megatron/core/optimizer_param_scheduler.py"
 
@@ -20,11 +20,10 @@ _RECORD = (
     "            {key: group.get(key) for key in ('max_lr', 'min_lr')} for group in optimizer.param_groups\n"
     "        ]\n"
 )
-_END = (
-    "            self.wd_incr_style = self._check_and_set(\n"
-    "                self.wd_incr_style, state_dict['wd_incr_style'], \"weight decay incr style\"\n"
-    "            )\n"
-)
+# Right after the load has stepped the groups. Under the override the weight-decay fields restored
+# after it keep this run's values, so the groups set here stay right; the end of the method is left
+# to scheduler-checkpoint-wd's diff (the two diffs compose).
+_STEPPED = "        self.step(increment=num_steps)\n"
 _RESTORE = (
     "\n"
     "        # The groups came back from the checkpoint with its max_lr / min_lr: the override gives\n"
@@ -43,4 +42,4 @@ _RESTORE = (
 
 
 def source_edits(release: str) -> list:
-    return [insert_after(TARGET, _INIT, _RECORD), Replace(TARGET, _END, _END + _RESTORE)]
+    return [insert_after(TARGET, _INIT, _RECORD), insert_after(TARGET, _STEPPED, _RESTORE)]
