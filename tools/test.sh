@@ -2,7 +2,8 @@
 # Run the test suite on every Megatron-Core release line (or the ones named), building the cached
 # environments first. Exit status is non-zero if any line fails.
 #
-#   tools/test.sh                 # whole matrix: 0.16.1 0.17.1 0.18.2 0.19.2
+#   tools/test.sh                 # whole matrix: 0.16.1 0.17.1 0.18.2 0.19.2 (and 0.15.3, the framework
+#                                 # lines, status on every release), in two streams at once
 #   tools/test.sh 0.18.2          # one release line
 #   tools/test.sh 0.16.1 -- -k tp_group   # extra pytest arguments after --
 #   tools/test.sh 0.15.3 -- tests/patches # any release of tools/sweep-releases.txt (not the default matrix)
@@ -52,9 +53,8 @@ framework_line() {  # fw-NAME [pytest args] -> exit status of tests/frameworks i
 ONE_LINE=$(awk '!/^#/ && $3=="one-line" {print $1; exit}' tools/releases.txt)
 
 # --durations=15: each line's log ends with its 15 slowest tests, what CI's time budget is spent on.
-failed=()
-for rel in "${releases[@]}"; do
-  case "$rel" in fw-*) framework_line "$rel" "${pytest_args[@]}" || failed+=("$rel"); continue ;; esac
+release_line() {  # RELEASE -> exit status of the suite on that Megatron-Core line
+  local rel=$1 py select only paths expr id start rc
   py=$(awk -v r="$rel" '$1==r {print $2; exit}' tools/releases.txt tools/sweep-releases.txt)
   select=()
   if [ -z "$explicit" ] && [ ${#pytest_args[@]} -eq 0 ] && [ "$rel" != "$ONE_LINE" ]; then
@@ -75,8 +75,54 @@ for rel in "${releases[@]}"; do
     "$ENVS/py$py/bin/python" -m pytest -p no:cacheprovider --durations=15 "${select[@]}" "${pytest_args[@]}"
   rc=$?
   echo "=== Megatron-Core $rel: exit $rc in $(( $(date +%s) - start )) s ==="
-  [ $rc -eq 0 ] || failed+=("$rel")
-done
+  return $rc
+}
+
+run_line() {
+  case "$1" in
+    fw-*) framework_line "$1" "${pytest_args[@]}" ;;
+    *) release_line "$1" ;;
+  esac
+}
+
+# The whole matrix runs its lines in two streams at once (MCORE_CKPT_FIXES_TEST_STREAMS, default 2;
+# 1: one after the other): most of a line's time is one Python process, so a second line uses the
+# second core. Each line's log is printed whole as soon as it ends. The streams are balanced by each
+# line's minutes in a recent CI run (LINE_MINUTES; a line not listed counts 1).
+declare -A LINE_MINUTES=([0.19.2]=24 [0.18.2]=18 [0.17.1]=14 [0.16.1]=6 [0.15.3]=1
+  [fw-ms-swift]=3 [fw-megatron-bridge]=3 [fw-verl]=2 [fw-megatron-fsdp]=1 [fw-nemo-toolkit]=1)
+STREAMS=${MCORE_CKPT_FIXES_TEST_STREAMS:-2}
+failed=()
+if [ -z "$explicit" ] && [ ${#pytest_args[@]} -eq 0 ] && [ "$STREAMS" -gt 1 ]; then
+  logs=$(mktemp -d)
+  declare -a load=() members=()
+  for ((i = 0; i < STREAMS; i++)); do load[i]=0; members[i]=""; done
+  # Heaviest line first, each to the stream with the least so far.
+  for rel in $(for r in "${releases[@]}"; do echo "${LINE_MINUTES[$r]:-1} $r"; done | sort -rn | awk '{print $2}'); do
+    best=0
+    for ((i = 1; i < STREAMS; i++)); do [ "${load[i]}" -lt "${load[best]}" ] && best=$i; done
+    load[best]=$(( load[best] + ${LINE_MINUTES[$rel]:-1} )); members[best]+="$rel "
+  done
+  for ((i = 0; i < STREAMS; i++)); do
+    echo "test.sh: stream $((i + 1)): ${members[i]}(about ${load[i]} min)"
+    (
+      for rel in ${members[i]}; do
+        run_line "$rel" > "$logs/$rel.log" 2>&1
+        echo $? > "$logs/$rel.rc"
+        flock "$logs/.print" cat "$logs/$rel.log"
+      done
+    ) &
+  done
+  wait
+  for rel in "${releases[@]}"; do
+    [ "$(cat "$logs/$rel.rc" 2>/dev/null)" = 0 ] || failed+=("$rel")
+  done
+  rm -rf "$logs"
+else
+  for rel in "${releases[@]}"; do
+    run_line "$rel" || failed+=("$rel")
+  done
+fi
 # Every published release, quickly: each fix's state as measured (tools/expected-status.json), none
 # failed. Only with the whole matrix (no release named).
 if [ -z "$explicit" ] && [ ${#pytest_args[@]} -eq 0 ]; then
