@@ -174,8 +174,8 @@ def describe(verdict) -> str:
 
 
 def _print_verdicts(report, code) -> None:
-    if report["verdict"] == "error" and "exact" not in report:
-        print(f"  ERROR: {report.get('error')}")
+    if "error" in report:  # run A itself did not run
+        print(f"  ERROR: {report['error']}")
     else:
         print(f"  unchanged (B = A): {describe(report['unchanged'])}")
         key = "as_release" if report.get("expect") == "as-release" else "exact"

@@ -151,8 +151,11 @@ def judge(results, expect="exact") -> dict:
         }
     report["expect"] = expect
     judged = report.get("as_release" if expect == "as-release" else "exact")
-    report["verdict"] = (judged or {"verdict": "error", "error": "run C did not run"})["verdict"]
-    report.setdefault("unchanged", {"verdict": "error", "error": "run B did not run"})
+    missing = {"verdict": "error", "error": "run C (resume, fixes on) has no results"}
+    if judged is None:
+        report["as_release" if expect == "as-release" else "exact"] = judged = missing
+    report["verdict"] = judged["verdict"]
+    report.setdefault("unchanged", {"verdict": "error", "error": "run B (save, fixes on) has no results"})
     report["fixes_change"] = _fixes_change(report)
     return report
 

@@ -31,18 +31,28 @@ def _rank_and_world():
     return int(rank), int(world), int(local)
 
 
+def use_mode(mode) -> None:
+    """The fix flags of ``mode`` (``on``: every fix at its default, ``off``: none), whatever the shell
+    set: ``python -m`` imported the package, and read its flags, before this module ran."""
+    for name in [k for k in os.environ if k.startswith("MCORE_CKPT_FIX_")]:
+        del os.environ[name]
+    os.environ["MCORE_CKPT_FIXES"] = "off" if mode == "off" else "auto"
+    import mcore_ckpt_fixes
+
+    mcore_ckpt_fixes.revert()
+    mcore_ckpt_fixes.apply()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[1] not in ("uninterrupted", "save", "resume") or argv[2] not in ("on", "off"):
         print(USAGE, file=sys.stderr)
         return 2
     directory, phase, mode = argv
-    os.environ["MCORE_CKPT_FIXES"] = "off" if mode == "off" else "auto"
     rank, world, local = _rank_and_world()
+    use_mode(mode)
     import torch
     import torch.distributed as dist
-
-    import mcore_ckpt_fixes  # noqa: F401  (the flags above, applied as the release's modules import)
 
     cuda = torch.cuda.is_available()
     if cuda:

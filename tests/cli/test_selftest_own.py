@@ -109,3 +109,25 @@ def test_launched_runs_then_compare(capsys, tmp_path):
     report = json.loads(capsys.readouterr().out)["report"]
     assert code == 0 and report["verdict"] == "exact" and report["unchanged"]["verdict"] == "exact", report
     assert os.path.isdir(tmp_path / "checkpoint-on" / "iter_0000003")
+
+
+def test_a_launched_rank_takes_its_mode_not_the_shell_flags():
+    """``python -m ...own_rank`` imports the package (and reads the shell's flags) before its own
+    code runs: each rank then sets its mode's flags and applies them again."""
+    from conftest import run_py
+
+    code = """
+import json, os
+import mcore_ckpt_fixes
+from mcore_ckpt_fixes.resume.own_rank import use_mode
+states = lambda: sorted({row["state"] for row in mcore_ckpt_fixes.report()})
+before = states()
+use_mode("on")
+on = states()
+use_mode("off")
+print(json.dumps([before, on, states(), [k for k in os.environ if k.startswith("MCORE_CKPT_FIX_")]]))
+"""
+    out = run_py(code, env={"MCORE_CKPT_FIXES": "off", "MCORE_CKPT_FIX_RNG_UNDER_EP": "off"})
+    assert out.returncode == 0, out.stderr
+    before, on, off, left = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == ["disabled"] and "disabled" not in on and off == ["disabled"] and left == []
