@@ -66,12 +66,16 @@ def _logical_lines(text: str) -> list:
     return lines
 
 
-def _balanced(line: str) -> bool:
+def _words(line: str):
+    """The line's words as a shell splits them, or None where a quote is still open."""
     try:
-        shlex.split(line, comments=True)
+        return shlex.split(line, comments=True)
     except ValueError:
-        return False
-    return True
+        return None
+
+
+def _balanced(line: str) -> bool:
+    return _words(line) is not None
 
 
 def _read_script(lines, path):
@@ -118,19 +122,12 @@ def _options_kept(arrays, scalars) -> list:
 
 def _closes(line: str) -> bool:
     """Whether an array's line ends it: a ``)`` outside quotes, after comments are dropped."""
-    try:
-        shlex.split(line, comments=True)
-    except ValueError:
-        return False
-    return line.split("#")[0].rstrip().endswith(")")
+    return _balanced(line) and line.split("#")[0].rstrip().endswith(")")
 
 
 def _launches(line: str) -> bool:
-    try:
-        words = shlex.split(line, comments=True)
-    except ValueError:
-        return False
-    return any(_LAUNCHED.search(w) for w in words) and not _ASSIGN.match(line)
+    words = _words(line)
+    return bool(words) and any(_LAUNCHED.search(w) for w in words) and not _ASSIGN.match(line)
 
 
 def _split(text, path):

@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ....testing import dist_optimizer as dopt
-from ....testing._fused_adam import optimizer_path
+from ....testing import scheduler_round_trip
 from ....testing.gpt_job import training_checkpointing
-from ....testing.result import RoundTrip
-from ....testing.states import fix_states
 from .. import ID, MODULE
 
 # The weight-decay schedules (scheduler arguments) the round trip saves with and resumes with.
@@ -134,22 +132,13 @@ def _through_dist_checkpointing(rt, ckpt_dir):
 
 
 def _through_megatron_training(rt, training, ckpt_dir, device):
-    from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
 
     from ....testing import gpt_job as job
     from ....testing.job_config import Config
 
     cfg = Config("dense-dp2", "dense GPT, DP=2", world=2)
-    with job.worker(cfg, device) as cpu_gen:
-        args = job.parse_args(cfg, os.path.join(ckpt_dir, "training"), 10)
-        mpu.initialize_model_parallel()
-        job.seed(args)
-        model, optimizer, scheduler = job.build(args, cfg)
-        for _ in range(STEPS):
-            job.train_step(model, optimizer, scheduler, args, cpu_gen)
-        training.save_checkpoint(STEPS, [model], optimizer, scheduler, 0)
-        dist.barrier()
+    with scheduler_round_trip.saved_by_megatron_training(training, cfg, ckpt_dir, device, STEPS) as args:
         rt.phase("load")
         _, reference, ref_scheduler = job.build(args, cfg)  # the saved arguments' schedule, no load
         ref_scheduler.step(increment=STEPS * args.global_batch_size)
@@ -168,22 +157,6 @@ def _through_megatron_training(rt, training, ckpt_dir, device):
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
-    rt = RoundTrip()
-    with rt.running():
-        rt.phase("precondition")
-        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
-        rt.phase("save")
-        # Megatron's FusedAdam path (Apex's interface, a CPU stand-in here), as on a GPU host: on
-        # torch's Adam the fresh optimizer's load needs torch-adam-step, which this world may not have.
-        with dopt.world(device), optimizer_path(apex=True):
-            rt["device"] = str(dopt.device())
-            _through_dist_checkpointing(rt, ckpt_dir)
-        training = training_checkpointing()
-        rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
-        if training is not None:
-            rt.phase("save")
-            _through_megatron_training(rt, training, ckpt_dir, device)
-        rt.phase("schedule")
-        if rt.differing():  # silent in the release: said here, so that a world shows it as one error
-            raise AssertionError(WRONG_WD)
-    return rt.result
+    return scheduler_round_trip.run(
+        ID, MODULE, ckpt_dir, patched, device, _through_dist_checkpointing, _through_megatron_training, WRONG_WD
+    )
