@@ -222,7 +222,22 @@ def _assert_ways_without_the_fixes(cfg, out):
     if cfg.name == "dense-dp2-new-wd-checkpoint-scheduler":
         _assert_first_step_with_the_new_weight_decay(cfg, out)
         return
+    if cfg.name == "dense-dp2-strictness-return":
+        _assert_returned_tuple_refused(cfg, out)
+        return
     _assert_strictness_values_without_the_fixes(cfg, out)
+
+
+def _assert_returned_tuple_refused(cfg, out):
+    """--dist-ckpt-strictness return_unexpected / return_all, every fix off: dist_checkpointing.load
+    returns (state dict, missing keys, unexpected keys) and load_checkpoint takes the tuple for the
+    state dict: every rank stops there, under both values (fix strictness-return-keys)."""
+    assert out["needed_here"] == ["strictness-return-keys"], out["needed_here"]
+    for (option, value), way in each_way(cfg, out["off"]):
+        assert option == "--dist-ckpt-strictness" and value.startswith("return_"), (option, value)
+        assert way["verdict"] == "error", (value, resume_fail_text(way))
+        assert way["errors"] == [[rank, RETURNED_TUPLE] for rank in range(cfg.world)], (value, way["errors"])
+        assert "load_checkpoint" in way["detail"], way["detail"][-2000:]
 
 
 def _assert_new_lr_refused_from_019(cfg, out):
@@ -289,38 +304,27 @@ def _fails_on_the_fresh_optimizer(off):
 
 
 # megatron.training's load_checkpoint takes dist_checkpointing.load's result as the state dict; with
-# return_unexpected / return_all it is (state dict, missing keys, unexpected keys) (catalogued:
-# dist-ckpt-strictness-return-tuple).
+# return_unexpected / return_all it is (state dict, missing keys, unexpected keys) (fix
+# strictness-return-keys; catalogued as dist-ckpt-strictness-return-tuple).
 RETURNED_TUPLE = "AttributeError: 'tuple' object has no attribute 'get'"
 # 0.19 matches the saved param groups to the new ones by their max_lr / min_lr (catalogued:
 # lr-change-resume-group-mismatch); 0.17 and 0.18 take the checkpoint's schedule, as the option says.
 NEW_LR_GROUPS = "KeyError: (None, 0.02, 0.002, None, None, 1.0, 1.0, False, False)"
 
 
-def release_error(args):
-    """The error every rank of the release's own resume stops with under these options, or None."""
-    if args[:1] == ("--dist-ckpt-strictness",):
-        return RETURNED_TUPLE
-    return None
-
-
 def assert_as_release_with_the_fixes(cfg, out):
     """With the fixes, each way of resuming is the release's own (run C without them) bit for bit on
     every rank: every resumed loss, parameter, optimizer tensor and scalar, the scheduler, every RNG
-    stream and the iteration load_checkpoint returned; where the release fails, the same error on
-    the same ranks. A dense DP=2 job: no fix is needed, so nothing here may change with them."""
+    stream and the iteration load_checkpoint returned. A dense DP=2 job: no fix is needed, so
+    nothing here may change with them. (The --dist-ckpt-strictness values that return the keys,
+    where the release stops, resume exactly with the fixes: dense-dp2-strictness-return.)"""
     assert out["needed_here"] == [], out["needed_here"]
     on = out["on"]
     assert on["verdict"] == resume.AS_RELEASE, resume_fail_text(on)
     for args, way in each_way(cfg, on):
         assert way["verdict"] == resume.AS_RELEASE, (args, resume_fail_text(way))
-        error = release_error(args)
-        if error:
-            assert way["same"] == "error", (args, way)
-            assert way["errors"] == [[rank, error] for rank in range(cfg.world)], (args, way["errors"])
-        else:
-            assert way["same"] == "bits", (args, way)
-            assert_every_rank_compared(cfg, way)
+        assert way["same"] == "bits", (args, way)
+        assert_every_rank_compared(cfg, way)
 
 
 def assert_release_resumes_as_each_option_says(cfg, out):
@@ -332,10 +336,6 @@ def assert_release_resumes_as_each_option_says(cfg, out):
     --use-checkpoint-opt-param-scheduler: exact, with the same schedule and, on 0.17 and 0.18, with a
     new --lr / --min-lr too (the checkpoint's wins)."""
     for args, way in each_way(cfg, out["off"]):
-        error = release_error(args)
-        if error:
-            assert way["verdict"] == "error" and way["errors"] == [[r, error] for r in range(cfg.world)], way
-            continue
         want = {
             ("--no-load-optim",): (4, 2, {"scheduler:num_steps", "optim0:group0:step", "optim0:group0:lr"}),
             ("--no-load-rng",): (3, 2, {"rng:python", "rng:numpy", "rng:torch", "rng:tracker:model-parallel-rng"}),

@@ -15,6 +15,9 @@ ORDER = (
     "gdn-fsdp-split",
     "dtensor-placement",
     "expert-keys",
+    # Below rng-under-ep's layer on _load_global_dist_base_checkpoint, which reads the state dict
+    # this one hands on alone.
+    "strictness-return-keys",
     "rng-under-ep",
     "hsdp-ep-guard",
     "torch-adam-step",

@@ -19,7 +19,8 @@ from ..testing.job_config import Config
 
 # The --dist-ckpt-strictness values with which dist_checkpointing.load returns the loaded state
 # dict; return_unexpected and return_all return it with the mismatching keys, which
-# megatron.training's load_checkpoint does not take apart (configuration dense-dp2-resume-options).
+# megatron.training's load_checkpoint does not take apart (fix strictness-return-keys,
+# configuration dense-dp2-strictness-return).
 STRICTNESS_LOADING = (
     "assume_ok_unexpected",
     "log_unexpected",
@@ -197,6 +198,15 @@ CONFIGS = (
         needs_releases=">=0.18",
     ),
     Config(
+        "dense-dp2-strictness-return",
+        "dense GPT, DP=2, distributed optimizer (dp_reshardable); resumed once per --dist-ckpt-strictness value "
+        "that returns the mismatching keys with the loaded state (return_unexpected, return_all; in one world)",
+        world=2,
+        resume_args=(("--dist-ckpt-strictness", "return_unexpected"), ("--dist-ckpt-strictness", "return_all")),
+        # Without the fix load_checkpoint takes the returned (state dict, missing, unexpected) for the state dict.
+        needs=("strictness-return-keys",),
+    ),
+    Config(
         "dense-dp2-save-options",
         "dense GPT, DP=2, distributed optimizer (dp_reshardable), --rerun-mode disabled (set up as "
         "initialize_megatron does), --dist-ckpt-save-pre-mcore-014 and --async-save without a persistent "
@@ -235,8 +245,6 @@ CONFIGS = (
             ("--no-load-rng",),
             ("--finetune",),
             ("--use-checkpoint-opt-param-scheduler",),
-            ("--dist-ckpt-strictness", "return_unexpected"),
-            ("--dist-ckpt-strictness", "return_all"),
         ),
     ),
     # Pipeline layouts: Megatron's own schedule (get_model, get_forward_backward_func, finalize_model_grads),

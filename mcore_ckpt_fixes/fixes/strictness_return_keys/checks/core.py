@@ -1,0 +1,146 @@
+"""strictness-return-keys' round trip: ``megatron.training.checkpointing``'s own ``save_checkpoint`` and
+``load_checkpoint`` on 2 gloo ranks, the resume check's dense GPT (DP=2, Megatron's DDP, distributed
+optimizer ``dp_reshardable`` on the FusedAdam path, scheduler: :mod:`mcore_ckpt_fixes.testing.gpt_job`
+and its CPU stand-ins).
+
+Phases: ``save`` (one training step, ``save_checkpoint`` at iteration 1; this rank's whole state
+recorded); ``load``: the job built anew (Megatron's arguments parsed again with each way's options, a
+new model, optimizer and scheduler) and ``load_checkpoint`` run once per way of :data:`WAYS`, each
+way's outcome recorded (``"ok"`` or the error line) with the iteration it returned and the WARNING
+lines logged during it (``logged``: ``fix``, this fix's, from its runtime or from the source diff in
+Megatron's module; ``release``, dist_checkpointing's own); each way that loads is compared with
+what was saved: every tensor and number of the model, optimizer, scheduler and RNG state (the model
+alone where the optimizer is not loaded). The first way that failed is raised at the end of phase
+``load``, so that a world shows the bug as one error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from ....testing import gpt_job as job
+from ....testing.job_config import Config
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+CONFIG = Config("dense-dp2", "dense GPT, DP=2, distributed optimizer (dp_reshardable)", world=2)
+ITERATION = 1
+# How the job is resumed: the two values that return the keys (no key mismatches here), then a
+# request without the optimizer (--no-load-optim: the checkpoint's optimizer state is asked for by
+# no rank) under return_all and, for what the release itself reports, log_all.
+WAYS = (
+    ("--dist-ckpt-strictness", "return_unexpected"),
+    ("--dist-ckpt-strictness", "return_all"),
+    ("--dist-ckpt-strictness", "return_all", "--no-load-optim"),
+    ("--dist-ckpt-strictness", "log_all", "--no-load-optim"),
+)
+# Where the fix's warning comes from: its runtime, or the source diff's text in Megatron's module.
+FIX_LOGGERS = ("mcore_ckpt_fixes", MODULE)
+RELEASE_LOGGER = "megatron.core.dist_checkpointing"
+
+
+def way_name(way) -> str:
+    return " ".join(a for a in way if a != "--dist-ckpt-strictness")
+
+
+def prepare() -> None:
+    """Import in the parent what every rank uses, once."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.training.training  # noqa: F401
+
+
+class Warnings(logging.Handler):
+    """The WARNING (and worse) lines of the fix's and dist_checkpointing's loggers during the block."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = {"fix": [], "release": []}
+
+    def emit(self, record):
+        if record.name in FIX_LOGGERS:
+            self.lines["fix"].append(record.getMessage())
+        elif record.name.startswith(RELEASE_LOGGER):
+            self.lines["release"].append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger().removeHandler(self)
+
+
+def state(model, optimizer, scheduler, model_only=False) -> dict:
+    """This rank's state as tensors (:func:`gpt_job.snapshot`: its tensors and numbers)."""
+    found = {}
+    for name, value in job.snapshot(model, optimizer, scheduler).items():
+        if model_only and not name.startswith("param:"):
+            continue
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, (bool, int, float)):
+            found[name] = torch.tensor(value, dtype=torch.float64)
+    return found
+
+
+def _load(checkpointing, save_dir, way):
+    """A job built anew with ``way``'s options loads the checkpoint: (iteration, its state, warnings)."""
+    from megatron.training import global_vars
+
+    global_vars.unset_global_variables()  # parsed again, as a resumed job's new process does
+    args = job.parse_args(CONFIG, save_dir, 2, way)
+    job.seed(args)
+    model, optimizer, scheduler = job.build(args, CONFIG)
+    with Warnings() as warned:
+        iteration, _ = job.load(checkpointing.load_checkpoint, model, optimizer, scheduler)
+    return iteration, state(model, optimizer, scheduler, model_only=args.no_load_optim), warned.lines
+
+
+def _load_each_way(rt, checkpointing, save_dir, saved):
+    """Every way's outcome; the first failure, if any, is returned to be raised."""
+    first = None
+    for way in WAYS:
+        name = way_name(way)
+        try:
+            iteration, loaded, rt["logged"][name] = _load(checkpointing, save_dir, way)
+        except Exception as exc:
+            rt["outcomes"][name] = f"{type(exc).__name__}: {exc}"
+            first = first or exc
+            continue
+        rt["outcomes"][name], rt["iteration"][name] = "ok", iteration
+        rt.compare({k: saved[k] for k in loaded}, loaded, prefix=f"{name}/")
+        rt.phase("load")
+    return first
+
+
+def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
+    from megatron.core import parallel_state as mpu
+    from megatron.training import checkpointing
+
+    rt = RoundTrip(outcomes={}, iteration={}, logged={})
+    save_dir = os.path.join(ckpt_dir, "training")
+    with rt.running(), job.worker(CONFIG, device) as cpu_gen:
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt.phase("save")
+        args = job.parse_args(CONFIG, save_dir, 2)  # 2 steps: the scheduler warms up for 1
+        mpu.initialize_model_parallel()
+        job.seed(args)
+        model, optimizer, scheduler = job.build(args, CONFIG)
+        rt["device"] = str(next(model.parameters()).device)  # the job's GPU where there is one
+        job.train_step(model, optimizer, scheduler, args, cpu_gen)
+        checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
+        dist.barrier()
+        saved = state(model, optimizer, scheduler)
+        rt.phase("load")
+        first = _load_each_way(rt, checkpointing, save_dir, saved)
+        if first is not None:
+            raise first
+    return rt.result
