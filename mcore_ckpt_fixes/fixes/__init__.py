@@ -40,4 +40,5 @@ ORDER = (
     "scheduler-override-group-lr",
     "fsdp-dtensor-pp-guard",
     "scheduler-checkpoint-wd",
+    "model-load-fallback",
 )

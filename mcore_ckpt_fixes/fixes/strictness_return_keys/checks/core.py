@@ -16,7 +16,6 @@ alone where the optimizer is not loaded). The first way that failed is raised at
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from ....testing import gpt_job as job
 from ....testing.job_config import Config
+from ....testing.logged import Warnings
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -56,27 +56,6 @@ def prepare() -> None:
     import megatron.training.training  # noqa: F401
 
 
-class Warnings(logging.Handler):
-    """The WARNING (and worse) lines of the fix's and dist_checkpointing's loggers during the block."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = {"fix": [], "release": []}
-
-    def emit(self, record):
-        if record.name in FIX_LOGGERS:
-            self.lines["fix"].append(record.getMessage())
-        elif record.name.startswith(RELEASE_LOGGER):
-            self.lines["release"].append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger().addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger().removeHandler(self)
-
-
 def state(model, optimizer, scheduler, model_only=False) -> dict:
     """This rank's state as tensors (:func:`gpt_job.snapshot`: its tensors and numbers)."""
     found = {}
@@ -98,7 +77,7 @@ def _load(checkpointing, save_dir, way):
     args = job.parse_args(CONFIG, save_dir, 2, way)
     job.seed(args)
     model, optimizer, scheduler = job.build(args, CONFIG)
-    with Warnings() as warned:
+    with Warnings(FIX_LOGGERS, RELEASE_LOGGER) as warned:
         iteration, _ = job.load(checkpointing.load_checkpoint, model, optimizer, scheduler)
     return iteration, state(model, optimizer, scheduler, model_only=args.no_load_optim), warned.lines
 
