@@ -41,4 +41,5 @@ ORDER = (
     "fsdp-dtensor-pp-guard",
     "scheduler-checkpoint-wd",
     "model-load-fallback",
+    "float16-optim-fp32-params",
 )

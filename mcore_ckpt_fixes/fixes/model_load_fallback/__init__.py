@@ -10,8 +10,8 @@ The fix refuses such a load with one error naming the weights, or names them in 
 strictness drops missing keys by choice.
 
 Upstream: not fixed as of 0.19.2 (Megatron-Bridge's copy: NVIDIA-NeMo/Megatron-Bridge#6032, closed).
-Affected: Megatron-Core 0.13.0-0.19.2 (``megatron/training`` ships in the wheel from 0.17.0; a
-checkout of an older release is decided by the probe). The rest is in doc.md in this folder.
+Affected: Megatron-Core 0.17.0-0.19.2 (``megatron/training`` ships in the wheel from 0.17.0; a
+checkout of an older release, core_v0.13.0 on, is decided by the probe). The rest is in doc.md in this folder.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ FIX = Fix(
         "initial values (named in one error; a warning under --dist-ckpt-strictness log_all / ignore_all / "
         "return_all), where it retried non-strict and went on silently"
     ),
-    affected=">=0.13.0,<=0.19.2",
+    affected=">=0.17.0,<=0.19.2",
     upstream=(
         "not fixed upstream as of Megatron-Core 0.19.2 (load_model_state_dict in megatron/training/checkpointing.py)",
         "NVIDIA-NeMo/Megatron-Bridge#6032: the same retry in Megatron-Bridge (closed, not merged)",

@@ -19,7 +19,6 @@ import logging
 import types
 
 import torch
-from megatron.training.global_vars import get_args
 
 from ....engine.layers import layer
 from ....engine.patching import original
@@ -29,6 +28,16 @@ from .. import FUNCTION, ID, MODULE, NESTED
 # Named as Megatron's module names its own: the replacement text logs through ``logger`` in both places.
 logger = logging.getLogger("mcore_ckpt_fixes")
 MODELS = "megatron.core.transformer.module"
+
+
+def get_args():
+    """megatron.training's arguments, as the replacement text below reads them where the source diff
+    puts it (that module's own ``get_args``). Imported on use: the engine resolves every fix's probe
+    on releases whose wheel has no megatron.training."""
+    from megatron.training.global_vars import get_args as training_args
+
+    return training_args()
+
 
 # -- replacement --- the text from here to the end marker is what the source diff inserts into
 # megatron/training/checkpointing.py, above load_checkpoint (there ``logger`` is that module's own).
