@@ -371,6 +371,29 @@ def snapshot(model, optimizer, scheduler):
     return state
 
 
+def snapshot_tensors(model, optimizer, scheduler, model_only=False) -> dict:
+    """:func:`snapshot` as tensors alone (numbers as float64 tensors, the rest left out), for a
+    round trip's comparison; the model's parameters alone if ``model_only``."""
+    found = {}
+    for name, value in snapshot(model, optimizer, scheduler).items():
+        if model_only and not name.startswith("param:"):
+            continue
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, (bool, int, float)):
+            found[name] = torch.tensor(value, dtype=torch.float64)
+    return found
+
+
+def prepare_training() -> None:
+    """A fix's ``prepare`` for round trips through megatron.training: in the parent of a forked
+    world, the modules every rank uses, imported once."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.training.checkpointing  # noqa: F401
+    import megatron.training.training  # noqa: F401
+
+
 def coords():
     from megatron.core import parallel_state as mpu
 

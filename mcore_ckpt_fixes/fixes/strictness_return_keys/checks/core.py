@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 from ....testing import gpt_job as job
@@ -48,25 +47,9 @@ def way_name(way) -> str:
     return " ".join(a for a in way if a != "--dist-ckpt-strictness")
 
 
-def prepare() -> None:
-    """Import in the parent what every rank uses, once."""
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.training.checkpointing  # noqa: F401
-    import megatron.training.training  # noqa: F401
-
-
-def state(model, optimizer, scheduler, model_only=False) -> dict:
-    """This rank's state as tensors (:func:`gpt_job.snapshot`: its tensors and numbers)."""
-    found = {}
-    for name, value in job.snapshot(model, optimizer, scheduler).items():
-        if model_only and not name.startswith("param:"):
-            continue
-        if isinstance(value, torch.Tensor):
-            found[name] = value
-        elif isinstance(value, (bool, int, float)):
-            found[name] = torch.tensor(value, dtype=torch.float64)
-    return found
+# The scenario's prepare, and this rank's state as tensors.
+prepare = job.prepare_training
+state = job.snapshot_tensors
 
 
 def _load(checkpointing, save_dir, way):
