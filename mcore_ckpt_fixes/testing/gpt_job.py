@@ -385,6 +385,35 @@ def snapshot_tensors(model, optimizer, scheduler, model_only=False) -> dict:
     return found
 
 
+def trained_and_saved(save_checkpoint, cfg, save_dir, steps, cpu_gen, train_iters=2):
+    """The job of ``cfg`` (arguments parsed for ``train_iters`` iterations, saving to and loading from
+    ``save_dir``) built, trained ``steps`` steps and saved at iteration ``steps`` by
+    ``save_checkpoint`` (megatron.training's), every rank past the save: (args, model, optimizer,
+    scheduler)."""
+    from megatron.core import parallel_state as mpu
+
+    args = parse_args(cfg, save_dir, train_iters)
+    mpu.initialize_model_parallel()
+    seed(args)
+    model, optimizer, scheduler = build(args, cfg)
+    for _ in range(steps):
+        train_step(model, optimizer, scheduler, args, cpu_gen)
+    save_checkpoint(steps, [model], optimizer, scheduler, 0)
+    dist.barrier()
+    return args, model, optimizer, scheduler
+
+
+def built_anew(cfg, save_dir, options=()):
+    """The job of ``cfg`` with ``options`` built as a resumed job's new process builds it, its
+    arguments parsed again: (args, model, optimizer, scheduler)."""
+    from megatron.training import global_vars
+
+    global_vars.unset_global_variables()
+    args = parse_args(cfg, save_dir, 2, options)
+    seed(args)
+    return (args, *build(args, cfg))
+
+
 def prepare_training() -> None:
     """A fix's ``prepare`` for round trips through megatron.training: in the parent of a forked
     world, the modules every rank uses, imported once."""

@@ -46,18 +46,9 @@ def saved_by_megatron_training(training, cfg, ckpt_dir, device, steps):
     """The resume check's small GPT of ``cfg`` trained ``steps`` steps and saved with
     ``megatron.training``'s ``save_checkpoint`` (under ``ckpt_dir/training``); yields its parsed
     arguments, inside the rank's worker surroundings, for the caller's load."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
     from . import gpt_job as job
 
     with job.worker(cfg, device) as cpu_gen:
-        args = job.parse_args(cfg, os.path.join(ckpt_dir, "training"), 10)
-        mpu.initialize_model_parallel()
-        job.seed(args)
-        model, optimizer, scheduler = job.build(args, cfg)
-        for _ in range(steps):
-            job.train_step(model, optimizer, scheduler, args, cpu_gen)
-        training.save_checkpoint(steps, [model], optimizer, scheduler, 0)
-        dist.barrier()
+        save_dir = os.path.join(ckpt_dir, "training")
+        args, *_ = job.trained_and_saved(training.save_checkpoint, cfg, save_dir, steps, cpu_gen, train_iters=10)
         yield args

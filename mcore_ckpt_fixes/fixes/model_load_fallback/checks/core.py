@@ -57,15 +57,12 @@ state = job.snapshot_tensors
 
 def _save_both_formats(checkpointing, ckpt_dir, cpu_gen):
     """One step, then the same state saved as torch_dist and as torch; returns that state."""
-    from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
 
-    args = job.parse_args(CONFIG, os.path.join(ckpt_dir, "torch_dist"), 2)
-    mpu.initialize_model_parallel()
-    job.seed(args)
-    model, optimizer, scheduler = job.build(args, CONFIG)
-    job.train_step(model, optimizer, scheduler, args, cpu_gen)
-    checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
+    save_dir = os.path.join(ckpt_dir, "torch_dist")
+    _, model, optimizer, scheduler = job.trained_and_saved(
+        checkpointing.save_checkpoint, CONFIG, save_dir, ITERATION, cpu_gen
+    )
     global_vars.unset_global_variables()
     job.parse_args(LEGACY, os.path.join(ckpt_dir, "torch"), 2)  # save_checkpoint reads the format there
     checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
@@ -76,12 +73,7 @@ def _save_both_formats(checkpointing, ckpt_dir, cpu_gen):
 def _load(checkpointing, ckpt_dir, cfg, options):
     """A job built anew with ``options`` loads the checkpoint: (its state, its state before the
     load, the warnings logged)."""
-    from megatron.training import global_vars
-
-    global_vars.unset_global_variables()  # parsed again, as a resumed job's new process does
-    args = job.parse_args(cfg, os.path.join(ckpt_dir, cfg.ckpt_format), 2, options)
-    job.seed(args)
-    model, optimizer, scheduler = job.build(args, cfg)
+    args, model, optimizer, scheduler = job.built_anew(cfg, os.path.join(ckpt_dir, cfg.ckpt_format), options)
     initial = state(model, optimizer, scheduler, model_only=True)
     with Warnings(FIX_LOGGERS, RELEASE_LOGGER) as warned:
         job.load(checkpointing.load_checkpoint, model, optimizer, scheduler)

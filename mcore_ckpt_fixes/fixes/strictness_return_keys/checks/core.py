@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
 from ....testing import gpt_job as job
 from ....testing.job_config import Config
 from ....testing.logged import Warnings
@@ -54,12 +52,7 @@ state = job.snapshot_tensors
 
 def _load(checkpointing, save_dir, way):
     """A job built anew with ``way``'s options loads the checkpoint: (iteration, its state, warnings)."""
-    from megatron.training import global_vars
-
-    global_vars.unset_global_variables()  # parsed again, as a resumed job's new process does
-    args = job.parse_args(CONFIG, save_dir, 2, way)
-    job.seed(args)
-    model, optimizer, scheduler = job.build(args, CONFIG)
+    args, model, optimizer, scheduler = job.built_anew(CONFIG, save_dir, way)
     with Warnings(FIX_LOGGERS, RELEASE_LOGGER) as warned:
         iteration, _ = job.load(checkpointing.load_checkpoint, model, optimizer, scheduler)
     return iteration, state(model, optimizer, scheduler, model_only=args.no_load_optim), warned.lines
@@ -83,7 +76,6 @@ def _load_each_way(rt, checkpointing, save_dir, saved):
 
 
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
-    from megatron.core import parallel_state as mpu
     from megatron.training import checkpointing
 
     rt = RoundTrip(outcomes={}, iteration={}, logged={})
@@ -92,14 +84,10 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         rt.phase("save")
-        args = job.parse_args(CONFIG, save_dir, 2)  # 2 steps: the scheduler warms up for 1
-        mpu.initialize_model_parallel()
-        job.seed(args)
-        model, optimizer, scheduler = job.build(args, CONFIG)
+        _, model, optimizer, scheduler = job.trained_and_saved(
+            checkpointing.save_checkpoint, CONFIG, save_dir, ITERATION, cpu_gen
+        )
         rt["device"] = str(next(model.parameters()).device)  # the job's GPU where there is one
-        job.train_step(model, optimizer, scheduler, args, cpu_gen)
-        checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
-        dist.barrier()
         saved = state(model, optimizer, scheduler)
         rt.phase("load")
         first = _load_each_way(rt, checkpointing, save_dir, saved)
