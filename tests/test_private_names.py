@@ -92,6 +92,7 @@ CARRIED_BY_DIFFS: dict[tuple[str, str], str] = {
     (TESTS.format("param_group_identity"), "_param_group_identifier_keys_for"): "param-group-identity",
     (TESTS.format("strictness_return_keys"), "_state_dict_alone"): "strictness-return-keys",
     (TESTS.format("model_load_fallback"), "_dropped_model_weights"): "model-load-fallback",
+    (TESTS.format("factory_merges_non_strict"), "_factories_loaded"): "factory-merges-non-strict",
     ("tests/frameworks/test_bridge_pp_guard.py", "_refuse_fsdp_dtensor_pipeline_change"): "fsdp-dtensor-pp-guard",
 }
 # The runtime's replacement keeps the name of the framework's private function it stands for (a

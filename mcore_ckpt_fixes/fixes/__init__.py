@@ -42,4 +42,5 @@ ORDER = (
     "scheduler-checkpoint-wd",
     "model-load-fallback",
     "float16-optim-fp32-params",
+    "factory-merges-non-strict",
 )
