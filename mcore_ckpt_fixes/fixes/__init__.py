@@ -43,4 +43,5 @@ ORDER = (
     "model-load-fallback",
     "float16-optim-fp32-params",
     "factory-merges-non-strict",
+    "hybrid-optimizer-fresh-load",
 )

@@ -83,7 +83,7 @@ def _argv(cfg, ckpt_dir, steps, resume_args=()):
         "--pipeline-model-parallel-size",
         str(cfg.pp),
         "--use-cpu-initialization",
-        "--bf16",
+        *(["--bf16"] if cfg.bf16 else []),
         "--ckpt-format",
         cfg.ckpt_format,
         "--transformer-impl",
@@ -224,8 +224,9 @@ def optimizer_config(args):
     return OptimizerConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def build(args, cfg):
-    """Model, DDP wrapper, optimizer and scheduler, as ``setup_model_and_optimizer`` builds them."""
+def build(args, cfg, on_model=None):
+    """Model, DDP wrapper, optimizer and scheduler, as ``setup_model_and_optimizer`` builds them;
+    ``on_model(model)``: called with the wrapped model before the optimizer is built over it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -254,7 +255,9 @@ def build(args, cfg):
         # --ddp-pad-buckets-for-high-nccl-busbw, as get_model passes it on
         pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
     )
-    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if cfg.bf16 else gpt)
+    if on_model is not None:
+        on_model(model)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     if cfg.optimizer_requests != "megatron":
         _requests_as_trainers_build_them(optimizer, keep_metadata=cfg.optimizer_requests == "without-is-loading")

@@ -37,6 +37,7 @@ class Config:
     # or "bare" (sharded_state_dict(model_sd), neither).
     optimizer_requests: str = "megatron"
     ckpt_format: str = "torch_dist"
+    bf16: bool = True  # False: an fp32 model (no --bf16, no Float16Module)
     # Megatron-LM's --dist-ckpt-strictness ("" its default, assume_ok_unexpected) and --rerun-mode
     # ("": no rerun state machine set up, as a script that never calls initialize_megatron; Megatron-LM's
     # own default is validate_results, set up as initialize_megatron does).

@@ -42,12 +42,40 @@ class _Stream:
         pass
 
 
+# What makes a new tensor of an on-device one on the same device (``to``: a dtype only), or moves it.
+_DERIVING = (torch.Tensor.clone, torch.Tensor.float, torch.Tensor.to, torch.Tensor.cpu)
+
+
 class _OnDevice(TorchFunctionMode):
     """Tensors whose storage is a registered model's report ``is_cuda``; pinned memory is plain."""
 
     def __init__(self):
         super().__init__()
         self.storages, self._kept = set(), []
+        self._deriving = False
+
+    @contextlib.contextmanager
+    def deriving(self):
+        """Inside the block, a tensor made from an on-device one by ``clone``, ``float`` or a
+        ``to(dtype)`` is on the device too, and ``cpu()`` of one is a new CPU tensor: what a GPU host
+        does where the distributed optimizer makes its fp32 main shards from the model's bf16
+        shards (without the precision-aware optimizer) and the hybrid optimizer clones them to the CPU."""
+        self._deriving = True
+        try:
+            yield self
+        finally:
+            self._deriving = False
+
+    def _on_device(self, tensor) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() in self.storages
+
+    def _derived(self, func, args, kwargs):
+        if func is torch.Tensor.cpu:
+            return args[0].clone()
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not self._on_device(out):
+            self.register([out])
+        return out
 
     def register(self, tensors):
         for t in tensors:
@@ -61,6 +89,10 @@ class _OnDevice(TorchFunctionMode):
             return args[0].untyped_storage().data_ptr() in self.storages
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if self._deriving and args and self._on_device(args[0]) and func in _DERIVING:
+            moves = any(isinstance(a, (str, torch.device)) for a in args[1:]) or "device" in kwargs
+            if func is not torch.Tensor.to or not moves:
+                return self._derived(func, args, kwargs)
         if kwargs.get("pin_memory"):
             kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)

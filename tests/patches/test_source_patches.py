@@ -27,6 +27,7 @@ import pytest
 
 from conftest import ROOT
 from mcore_ckpt_fixes.engine.registry import ENGINE
+from mcore_ckpt_fixes.testing import all_scenarios
 
 PATCHES = os.path.join(ROOT, "patches")
 ROUND_TRIP_TEST = "test_patched_source_round_trips_without_monkeypatch"
@@ -101,9 +102,13 @@ def pristine_copy(pristine_megatron, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def patched_tree(pristine_megatron, patched_here, mcore_version, tmp_path_factory):
-    """One copy with every diff of ``patched_here`` applied in turn: ``(root, {fix: patch's run})``."""
+    """One copy with every diff of ``patched_here`` applied in turn: ``(root, {fix: patch's run})``;
+    also those of the fixes their scenarios run alongside (with the monkeypatches off, their round
+    trips need those diffs too)."""
     root = _copy(pristine_megatron, str(tmp_path_factory.mktemp("patched")))
-    return root, {fix_id: _patch(root, _patch_for(fix_id, mcore_version)) for fix_id in patched_here}
+    alongside = {other for s in all_scenarios() if s.fix_id in patched_here for other in s.alongside}
+    needed = sorted(set(patched_here) | {f for f in alongside if os.path.exists(_patch_for(f, mcore_version))})
+    return root, {fix_id: _patch(root, _patch_for(fix_id, mcore_version)) for fix_id in needed}
 
 
 SCRIPT = r"""
