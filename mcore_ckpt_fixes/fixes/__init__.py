@@ -44,4 +44,5 @@ ORDER = (
     "float16-optim-fp32-params",
     "factory-merges-non-strict",
     "hybrid-optimizer-fresh-load",
+    "persistent-worker-failure",
 )
