@@ -45,4 +45,5 @@ ORDER = (
     "factory-merges-non-strict",
     "hybrid-optimizer-fresh-load",
     "persistent-worker-failure",
+    "hybrid-optimizer-gpu-step",
 )

@@ -67,7 +67,12 @@ class _OnDevice(TorchFunctionMode):
             self._deriving = False
 
     def _on_device(self, tensor) -> bool:
-        return isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() in self.storages
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        try:
+            return tensor.untyped_storage().data_ptr() in self.storages
+        except RuntimeError:  # a tensor without data (meta, fake): on no device of ours
+            return False
 
     def _derived(self, func, args, kwargs):
         if func is torch.Tensor.cpu:

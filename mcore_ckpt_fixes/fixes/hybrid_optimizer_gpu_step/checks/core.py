@@ -1,0 +1,128 @@
+"""hybrid-optimizer-gpu-step's round trip on 2 gloo ranks (DP=2): Megatron's DDP and distributed
+optimizer with ``optimizer_cpu_offload``, the precision-aware optimizer (as Megatron-LM requires it)
+and ``optimizer_offload_fraction=0.5``: the hybrid optimizer steps half of the parameters with a
+GPU FusedAdam (Apex's, on the path a GPU host takes), half with CPU AdamW.
+
+A source run takes ``STEPS`` steps on deterministic gradients, saves ``fully_reshardable`` with
+``dist_checkpointing``, then takes two more (the reference). A target run (other initial values)
+loads the checkpoint as Megatron does (``sharded_state_dict(is_loading=True)``, the model's and the
+optimizer's ``load_state_dict``) and takes the same two steps. Checked on every rank: the GPU
+FusedAdam's group ``step`` after them against the reference's (phase ``steps``: one
+``AssertionError`` line where they differ), then the model, main shards, Adam moments and the CPU
+optimizers' copies after each step against the reference's (``next1/``, ``next2/``).
+
+What is not real on a CPU host: the GPU (:mod:`mcore_ckpt_fixes.testing.offload`: the parameters and
+the fp32 copies made of them report ``is_cuda``), Apex's FusedAdam (a stand-in with its interface,
+which keeps its step in its param groups as Apex's and Transformer Engine's do) and the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch.distributed as dist
+
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, one_case, optimizer_config, request, run_cases, step
+from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
+from ....testing.offload import offload_path, offloaded_state
+from ....testing.result import RoundTrip
+from ....testing.states import fix_states
+from .. import ID, MODULE
+
+STEPS = 3  # the source run's steps before the save
+TARGET_SEED = 98765
+FORMAT = "fully_reshardable"
+CASES = ("partial_offload",)
+
+
+def _deriving(device):
+    return device.deriving() if device is not None else contextlib.nullcontext()
+
+
+def _build(seed, device):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from ....testing.dist_optimizer import build_model
+
+    model = build_model(seed)
+    if device is not None:
+        device.register(model.module.parameters())
+    config = optimizer_config(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, use_precision_aware_optimizer=True
+    )
+    with _deriving(device):  # the fp32 copies of the parameters the GPU optimizer steps are on the GPU
+        return model, get_megatron_optimizer(config, [model])
+
+
+def gpu_steps(opt) -> list:
+    """The step in each param group of the hybrid optimizers' GPU FusedAdams (None: no step yet)."""
+    out = []
+    for d in distributed(opt):
+        gpu = getattr(d.optimizer, "gpu_optimizer", None)
+        out += [group.get("step") for group in gpu.param_groups] if gpu is not None else []
+    return out
+
+
+def _steps(model, opt, device, first):
+    """Two optimizer steps (indices ``first``, ``first + 1``): the state after each."""
+    states = []
+    for i in (first, first + 1):
+        with _deriving(device):
+            step(model, opt, i)
+        states.append(offloaded_state(model, opt))
+    return states
+
+
+def _source(ckpt_dir, cache, device):
+    if "source" not in cache:
+        from megatron.core import dist_checkpointing
+
+        model, opt = _build(SOURCE_SEED, device)
+        with _deriving(device):
+            for i in range(STEPS):
+                step(model, opt, i)
+        path = os.path.join(ckpt_dir, FORMAT)
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(request(model, opt, FORMAT, False), path)
+        cache["source"] = (path, _steps(model, opt, device, STEPS), gpu_steps(opt))
+    return cache["source"]
+
+
+def run_case(name, ckpt_dir, patched, cache=None):
+    from megatron.core import dist_checkpointing
+
+    rt = RoundTrip(case=name, gpu_steps=None, reference_gpu_steps=None)
+    with rt.running(), offload_path(apex=True) as device:
+        rt.phase("precondition")
+        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt.phase("save")
+        path, reference, rt["reference_gpu_steps"] = _source(ckpt_dir, {} if cache is None else cache, device)
+        model, opt = _build(TARGET_SEED, device)
+        rt.phase("load")
+        loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
+        model.module.load_state_dict(loaded["model"])
+        with _deriving(device):  # the load rebuilds the sub-optimizers and their copies
+            opt.load_state_dict(loaded["optimizer"])
+        got = _steps(model, opt, device, STEPS)
+        rt.phase("steps")
+        rt["gpu_steps"] = gpu_steps(opt)
+        if rt["gpu_steps"] != rt["reference_gpu_steps"]:
+            raise AssertionError(
+                f"the GPU FusedAdam's step after two resumed steps is {rt['gpu_steps']}, "
+                f"the uninterrupted run's {rt['reference_gpu_steps']}"
+            )
+        rt.phase("compare")
+        for i, (want, have) in enumerate(zip(reference, got), start=1):
+            rt.compare(want, have, prefix=f"next{i}/")
+    return rt.result
+
+
+def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
+    """The cases in one world (one source save): ``{case: result}``."""
+    return run_cases(run_case, names or CASES, ckpt_dir, patched, device)
+
+
+partial_offload = one_case(run_case, "partial_offload")
