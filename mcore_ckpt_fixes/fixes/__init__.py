@@ -46,4 +46,5 @@ ORDER = (
     "hybrid-optimizer-fresh-load",
     "persistent-worker-failure",
     "hybrid-optimizer-gpu-step",
+    "persistent-worker-cpu-snapshot",
 )

@@ -4,8 +4,8 @@ and selftest worlds only.
 The worker is a ``spawn`` child whose loop starts with ``torch.cuda.set_device(rank %
 torch.cuda.device_count())``: with no GPU that divides by zero, and the worker dies before it takes
 any request. :func:`on_cpu` starts it through :func:`cpu_async_loop` instead, which gives the child a
-one-device CUDA stand-in for those two calls and then runs the release's own loop. Everything else
-the worker does is Megatron's.
+one-device CUDA stand-in for those two calls (and for the synchronize after a preload's copies) and
+then runs the release's own loop. Everything else the worker does is Megatron's.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def cpu_async_loop(*args, **kwargs):
 
     torch.cuda.set_device = lambda device: None
     torch.cuda.device_count = lambda: 1
+    torch.cuda.synchronize = lambda device=None: None  # after the preload's device-to-host copies
     return getattr(_async_utils(), CLASS).async_loop(*args, **kwargs)
 
 
