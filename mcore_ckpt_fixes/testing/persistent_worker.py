@@ -5,7 +5,8 @@ The worker is a ``spawn`` child whose loop starts with ``torch.cuda.set_device(r
 torch.cuda.device_count())``: with no GPU that divides by zero, and the worker dies before it takes
 any request. :func:`on_cpu` starts it through :func:`cpu_async_loop` instead, which gives the child a
 one-device CUDA stand-in for those two calls (and for the synchronize after a preload's copies) and
-then runs the release's own loop. Everything else the worker does is Megatron's.
+then runs the release's own loop; a worker whose loop raises exits at once (``os._exit``) instead of
+tearing its interpreter down. Everything else the worker does is Megatron's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,18 @@ def cpu_async_loop(*args, **kwargs):
     torch.cuda.set_device = lambda device: None
     torch.cuda.device_count = lambda: 1
     torch.cuda.synchronize = lambda device=None: None  # after the preload's device-to-host copies
-    return getattr(_async_utils(), CLASS).async_loop(*args, **kwargs)
+    try:
+        return getattr(_async_utils(), CLASS).async_loop(*args, **kwargs)
+    except BaseException:
+        # A worker that failed exits at once, as a hard exit does: tearing its interpreter down at the
+        # low CPU priority the release gives it can outlast a test's deadline on a loaded host.
+        import os
+        import sys
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,9 @@ save back exactly (``reload``: ``after/`` keys). ``dies_in_preload``: the same, 
 preloads in the worker (as Megatron's writer does with a persistent worker) and rank 0's preload
 raises: without the fix rank 0 also waits for ever, for the preload's acknowledgement.
 
-What is not real on a CPU host: the worker's two CUDA calls at start
+What is not real on a CPU host: the worker's CUDA calls, and its exit after the error, which is
+immediate (``os._exit``, as a hard exit is) instead of a teardown at the low CPU priority the release
+gives the worker, which on a loaded host can outlast the deadline
 (:mod:`mcore_ckpt_fixes.testing.persistent_worker`).
 """
 
