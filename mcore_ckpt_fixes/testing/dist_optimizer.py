@@ -142,6 +142,20 @@ def request(model, opt, fmt, is_loading):
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
+def save_request(state, path, *args):
+    """``dist_checkpointing.save(state, path, *args)`` into ``path``, which rank 0 makes first (every
+    rank waits for it: a save needs the folder on every rank)."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, path, *args)
+
+
 def distributed(opt):
     """The DistributedOptimizers behind what ``get_megatron_optimizer`` returned (a ChainedOptimizer
     from some releases on, even for one)."""

@@ -32,10 +32,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch.distributed as dist
-
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, local_state, step, one_case, run_cases
+from ....testing.dist_optimizer import build, local_state, one_case, run_cases, save_request, step
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -93,16 +91,11 @@ def _source(case: Case, ckpt_dir, cache):
     """Save the source run (once per kind of source in a world): (path, saved state, reference)."""
     key = (case.fmt, case.apex, case.bf16, case.source_steps)
     if key not in cache:
-        from megatron.core import dist_checkpointing
-
         model, opt = build(SOURCE_SEED, bf16=case.bf16)
         for i in range(case.source_steps):
             step(model, opt, i)
         path = os.path.join(ckpt_dir, "-".join(str(k) for k in key))
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(_request(model, opt, case.fmt, False), path)
+        save_request(_request(model, opt, case.fmt, False), path)
         saved = local_state(model, opt)
         step(model, opt, case.source_steps)
         cache[key] = (path, saved, local_state(model, opt))

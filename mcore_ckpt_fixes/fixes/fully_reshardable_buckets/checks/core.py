@@ -29,10 +29,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, full_state, step, one_case, run_cases
+from ....testing.dist_optimizer import build, full_state, one_case, run_cases, save_request, step
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -68,18 +66,13 @@ def _request(model, opt, is_loading, mem_efficient):
 def _source(case: Case, ckpt_dir, cache):
     """Save the source run (once per gathering mode in a world): (path, saved state, reference)."""
     if case.mem_efficient not in cache:
-        from megatron.core import dist_checkpointing
-
         model, opt = build(SOURCE_SEED, bucket_size=BUCKET_SIZE)
         buckets = [len(b.buckets) for b in model.buffers]
         assert buckets[0] > 1, f"the source's gradient buffer has {buckets} bucket(s): nothing to check"
         for i in range(STEPS):
             step(model, opt, i)
         path = os.path.join(ckpt_dir, f"mem_efficient{case.mem_efficient}")
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(_request(model, opt, False, case.mem_efficient), path)
+        save_request(_request(model, opt, False, case.mem_efficient), path)
         saved = full_state(model, opt)
         step(model, opt, STEPS)
         cache[case.mem_efficient] = (path, saved, full_state(model, opt))

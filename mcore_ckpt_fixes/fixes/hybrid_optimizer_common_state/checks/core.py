@@ -26,7 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, placed, request, step, world
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, placed, request, save_request, step, world
 from ....testing.dist_optimizer import prepare  # noqa: F401
 from ....testing.offload import build_offloaded, offload_path, offloaded_state
 from ....testing.result import RoundTrip, error_line
@@ -52,16 +52,11 @@ def _steps(opt):
 
 def _save(ckpt_dir, device):
     """The source run, saved: ``(path, its optimizer's state_dict(), saved state, reference)``."""
-    from megatron.core import dist_checkpointing
-
     model, opt = build_offloaded(SOURCE_SEED, device)
     for i in range(STEPS):
         step(model, opt, i)
     path = os.path.join(ckpt_dir, FORMAT)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(request(model, opt, FORMAT, False), path)
+    save_request(request(model, opt, FORMAT, False), path)
     saved = offloaded_state(model, opt)
     state_dict = opt.state_dict()
     step(model, opt, STEPS)

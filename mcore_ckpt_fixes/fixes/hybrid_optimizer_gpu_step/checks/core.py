@@ -21,9 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 
-import torch.distributed as dist
-
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, one_case, optimizer_config, request, run_cases, step
+from ....testing.dist_optimizer import (
+    SOURCE_SEED,
+    distributed,
+    one_case,
+    optimizer_config,
+    request,
+    run_cases,
+    save_request,
+    step,
+)
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.offload import offload_path, offloaded_state
 from ....testing.result import RoundTrip
@@ -76,17 +83,12 @@ def _steps(model, opt, device, first):
 
 def _source(ckpt_dir, cache, device):
     if "source" not in cache:
-        from megatron.core import dist_checkpointing
-
         model, opt = _build(SOURCE_SEED, device)
         with _deriving(device):
             for i in range(STEPS):
                 step(model, opt, i)
         path = os.path.join(ckpt_dir, FORMAT)
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(request(model, opt, FORMAT, False), path)
+        save_request(request(model, opt, FORMAT, False), path)
         cache["source"] = (path, _steps(model, opt, device, STEPS), gpu_steps(opt))
     return cache["source"]
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import torch.distributed as dist
-
 from ....testing.dist_optimizer import (
     SOURCE_SEED,
     build,
@@ -35,6 +33,7 @@ from ....testing.dist_optimizer import (
     one_case,
     placed,
     request,
+    save_request,
     step,
     world,
 )
@@ -117,16 +116,11 @@ def _source(fmt, kind, ckpt_dir, cache, device):
     """Save the source run (once per sharding type and optimizer in a world); return (path, saved
     state, reference, param group keys)."""
     if (fmt, kind) not in cache:
-        from megatron.core import dist_checkpointing
-
         model, opt = _build(SOURCE_SEED, kind, device)
         for i in range(STEPS):
             step(model, opt, i)
         path = os.path.join(ckpt_dir, f"{kind}-{fmt}")
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(request(model, opt, fmt, False), path)
+        save_request(request(model, opt, fmt, False), path)
         saved = offloaded_state(model, opt)
         step(model, opt, STEPS)
         cache[fmt, kind] = (path, saved, offloaded_state(model, opt), _group_keys(opt))
