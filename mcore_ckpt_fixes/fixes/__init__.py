@@ -47,4 +47,5 @@ ORDER = (
     "persistent-worker-failure",
     "hybrid-optimizer-gpu-step",
     "persistent-worker-cpu-snapshot",
+    "hybrid-optimizer-dp-zero-load",
 )

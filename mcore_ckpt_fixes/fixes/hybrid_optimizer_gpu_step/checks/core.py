@@ -1,7 +1,8 @@
-"""hybrid-optimizer-gpu-step's round trip on 2 gloo ranks (DP=2): Megatron's DDP and distributed
-optimizer with ``optimizer_cpu_offload``, the precision-aware optimizer (as Megatron-LM requires it)
-and ``optimizer_offload_fraction=0.5``: the hybrid optimizer steps half of the parameters with a
-GPU FusedAdam (Apex's, on the path a GPU host takes), half with CPU AdamW.
+"""hybrid-optimizer-gpu-step's round trips on 2 gloo ranks (DP=2): Megatron's DDP and distributed
+optimizer with ``optimizer_cpu_offload`` and the precision-aware optimizer (as Megatron-LM requires
+it). ``partial_offload``: ``optimizer_offload_fraction=0.5``, the hybrid optimizer steps half of the
+parameters with a GPU FusedAdam (Apex's, on the path a GPU host takes), half with CPU AdamW.
+``gpu_only``: fraction 0, every parameter on the GPU FusedAdam, no CPU optimizer.
 
 A source run takes ``STEPS`` steps on deterministic gradients, saves ``fully_reshardable`` with
 ``dist_checkpointing``, then takes two more (the reference). A target run (other initial values)
@@ -35,19 +36,20 @@ from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' pr
 from ....testing.offload import offload_path, offloaded_state
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
-from .. import ID, MODULE
+from .. import DIST_MODULE, ID, MODULE
 
 STEPS = 3  # the source run's steps before the save
 TARGET_SEED = 98765
 FORMAT = "fully_reshardable"
-CASES = ("partial_offload",)
+FRACTIONS = {"partial_offload": 0.5, "gpu_only": 0.0}  # case -> --optimizer-offload-fraction
+CASES = tuple(FRACTIONS)
 
 
 def _deriving(device):
     return device.deriving() if device is not None else contextlib.nullcontext()
 
 
-def _build(seed, device):
+def _build(seed, device, fraction):
     from megatron.core.optimizer import get_megatron_optimizer
 
     from ....testing.dist_optimizer import build_model
@@ -56,7 +58,7 @@ def _build(seed, device):
     if device is not None:
         device.register(model.module.parameters())
     config = optimizer_config(
-        optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, use_precision_aware_optimizer=True
+        optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True
     )
     with _deriving(device):  # the fp32 copies of the parameters the GPU optimizer steps are on the GPU
         return model, get_megatron_optimizer(config, [model])
@@ -81,16 +83,16 @@ def _steps(model, opt, device, first):
     return states
 
 
-def _source(ckpt_dir, cache, device):
-    if "source" not in cache:
-        model, opt = _build(SOURCE_SEED, device)
+def _source(name, ckpt_dir, cache, device):
+    if name not in cache:
+        model, opt = _build(SOURCE_SEED, device, FRACTIONS[name])
         with _deriving(device):
             for i in range(STEPS):
                 step(model, opt, i)
-        path = os.path.join(ckpt_dir, FORMAT)
+        path = os.path.join(ckpt_dir, f"{name}-{FORMAT}")
         save_request(request(model, opt, FORMAT, False), path)
-        cache["source"] = (path, _steps(model, opt, device, STEPS), gpu_steps(opt))
-    return cache["source"]
+        cache[name] = (path, _steps(model, opt, device, STEPS), gpu_steps(opt))
+    return cache[name]
 
 
 def run_case(name, ckpt_dir, patched, cache=None):
@@ -99,10 +101,10 @@ def run_case(name, ckpt_dir, patched, cache=None):
     rt = RoundTrip(case=name, gpu_steps=None, reference_gpu_steps=None)
     with rt.running(), offload_path(apex=True) as device:
         rt.phase("precondition")
-        rt["fix_state"] = fix_states(ID, (MODULE,), patched)
+        rt["fix_state"] = fix_states(ID, (MODULE, DIST_MODULE), patched)
         rt.phase("save")
-        path, reference, rt["reference_gpu_steps"] = _source(ckpt_dir, {} if cache is None else cache, device)
-        model, opt = _build(TARGET_SEED, device)
+        path, reference, rt["reference_gpu_steps"] = _source(name, ckpt_dir, {} if cache is None else cache, device)
+        model, opt = _build(TARGET_SEED, device, FRACTIONS[name])
         rt.phase("load")
         loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
         model.module.load_state_dict(loaded["model"])
@@ -128,3 +130,4 @@ def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):
 
 
 partial_offload = one_case(run_case, "partial_offload")
+gpu_only = one_case(run_case, "gpu_only")

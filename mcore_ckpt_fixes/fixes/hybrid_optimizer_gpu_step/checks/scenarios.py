@@ -1,6 +1,6 @@
-"""hybrid-optimizer-gpu-step's round trip as the suite and ``selftest`` find it (nothing heavy imported
-here): the distributed optimizer with CPU offload of half the parameters on 2 gloo ranks, saved,
-loaded into a fresh run, two steps against the uninterrupted run (checks/core.py)."""
+"""hybrid-optimizer-gpu-step's round trips as the suite and ``selftest`` find them (nothing heavy
+imported here): the distributed optimizer with CPU offload of half the parameters, or of none, on 2
+gloo ranks, saved, loaded into a fresh run, two steps against the uninterrupted run (checks/core.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ FROZEN = Bug.raises(
     "AssertionError: the GPU FusedAdam's step after two resumed steps is [4, 4], the uninterrupted run's [5, 5]",
 )
 
+# With nothing offloaded the checkpoint holds no step, and the resumed FusedAdam counts from 0.
+LOST = Bug.raises(
+    "steps",
+    "AssertionError: the GPU FusedAdam's step after two resumed steps is [2, 2], the uninterrupted run's [5, 5]",
+)
+# The load reads the optimizer classes the hybrid optimizer keeps in the common state, which torch's
+# weights_only load refuses without that fix.
+ALONGSIDE = ("hybrid-optimizer-common-state",)
+
 SCENARIOS = (
     Scenario(
         ID,
@@ -25,9 +34,19 @@ SCENARIOS = (
         prepare=f"{_CORE}:prepare",
         batch=f"{_CORE}:cases",
         devices=("cpu",),
-        # The load reads the optimizer classes the hybrid optimizer keeps in the common state, which
-        # torch's weights_only load refuses without that fix.
-        alongside=("hybrid-optimizer-common-state",),
+        alongside=ALONGSIDE,
         doc="--optimizer-cpu-offload, offload fraction 0.5, fully_reshardable: resume, two steps",
+    ),
+    Scenario(
+        ID,
+        "gpu_only",
+        f"{_CORE}:gpu_only",
+        2,
+        {">=0.13.0,<=0.19.2": LOST},
+        prepare=f"{_CORE}:prepare",
+        batch=f"{_CORE}:cases",
+        devices=("cpu",),
+        alongside=ALONGSIDE,
+        doc="--optimizer-cpu-offload, offload fraction 0 (no CPU optimizer), fully_reshardable: resume, two steps",
     ),
 )
