@@ -76,7 +76,12 @@ def run(as_json: bool, import_targets_first: bool, known_bugs: bool = False) -> 
     if bugs is None:
         return 1
     from mcore_ckpt_fixes.known_bugs import status_line
+    from mcore_ckpt_fixes.other_patches import status_lines
 
+    import textwrap
+
+    for line in status_lines(bugs, {r["id"]: r["state"] for r in rows}):
+        print("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="      ", break_on_hyphens=False)))
     print(status_line(info.version, bugs, _probed(info, rows)))
     return 0
 

@@ -22,7 +22,10 @@ BY_CODE = {
     "metadata-json-unreadable": "restore metadata.json from another iteration of the same run (it holds only the "
     "backend name and version)",
     "unsupported-backend": "load it with the tool that wrote it, or convert it to torch_dist",
-    "chunk-coverage": f"{RESTORE}: the index does not describe every tensor whole",
+    "chunk-coverage": f"{RESTORE}: the index does not describe every tensor whole. torch DCP's save-plan "
+    "validation refuses chunks that overlap, leave their tensor or leave part of it unwritten: a save that "
+    "wrote them ran with that validation switched off (ms-swift's init_megatron_env does so; "
+    "mcore_ckpt_fixes.other_patches.found() in the training process names such patches)",
     "common-state-missing": f"{RESTORE}: without the common state a load has no args and no iteration",
     "expert-key-collision": "re-save from the run that wrote it with the expert-keys fix applied "
     "(import mcore_ckpt_fixes); the experts whose keys collided are not in this checkpoint",
