@@ -167,6 +167,30 @@ def build_offloaded(seed, device):
     return model, get_megatron_optimizer(config, [model])
 
 
+def deriving(device):
+    """``device.deriving()`` inside :func:`offload_path` on a CPU host; nothing where ``device`` is
+    None (a GPU host: the tensors are where Megatron puts them)."""
+    return device.deriving() if device is not None else contextlib.nullcontext()
+
+
+def build_offload_fraction(seed, device, fraction):
+    """:func:`build_offloaded` with ``--optimizer-offload-fraction fraction``: the parameters not
+    offloaded are stepped by the GPU optimizer, over fp32 copies made on the device (built inside
+    :func:`deriving`)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from .dist_optimizer import build_model, optimizer_config
+
+    model = build_model(seed)
+    if device is not None:
+        device.register(model.module.parameters())
+    config = optimizer_config(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True
+    )
+    with deriving(device):
+        return model, get_megatron_optimizer(config, [model])
+
+
 def offloaded_state(model, opt):
     """:func:`mcore_ckpt_fixes.testing.dist_optimizer.local_state`, and the tensor each of the hybrid
     optimizer's CPU optimizers updates (``inner/``)."""

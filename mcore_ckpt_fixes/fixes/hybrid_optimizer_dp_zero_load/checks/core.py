@@ -22,12 +22,11 @@ and the gradients.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, one_case, optimizer_config, run_cases, step
+from ....testing.dist_optimizer import SOURCE_SEED, distributed, one_case, run_cases, step
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import offload_path, offloaded_state
+from ....testing.offload import build_offload_fraction, deriving, offload_path, offloaded_state
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import DIST_MODULE, ID, MODULE
@@ -36,25 +35,6 @@ STEPS = 3  # the source run's steps before the save
 TARGET_SEED = 98765
 FRACTIONS = {"full_offload": 1.0, "partial_offload": 0.5}  # case -> --optimizer-offload-fraction
 CASES = tuple(FRACTIONS)
-
-
-def _deriving(device):
-    return device.deriving() if device is not None else contextlib.nullcontext()
-
-
-def _build(seed, device, fraction):
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    from ....testing.dist_optimizer import build_model
-
-    model = build_model(seed)
-    if device is not None:
-        device.register(model.module.parameters())
-    config = optimizer_config(
-        optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True
-    )
-    with _deriving(device):  # the fp32 copies of the parameters the GPU optimizer steps are on the GPU
-        return model, get_megatron_optimizer(config, [model])
 
 
 def _files(ckpt_dir, name):
@@ -93,7 +73,7 @@ def load_legacy(model, opt, ckpt_dir, name):
 def _two_steps(model, opt, device):
     states = []
     for i in (STEPS, STEPS + 1):
-        with _deriving(device):
+        with deriving(device):
             step(model, opt, i)
         states.append(offloaded_state(model, opt))
     return states
@@ -101,8 +81,8 @@ def _two_steps(model, opt, device):
 
 def _source(name, ckpt_dir, cache, device):
     if name not in cache:
-        model, opt = _build(SOURCE_SEED, device, FRACTIONS[name])
-        with _deriving(device):
+        model, opt = build_offload_fraction(SOURCE_SEED, device, FRACTIONS[name])
+        with deriving(device):
             for i in range(STEPS):
                 step(model, opt, i)
         at_save = offloaded_state(model, opt)
@@ -126,9 +106,9 @@ def run_case(name, ckpt_dir, patched, cache=None):
         rt["fix_state"] = fix_states(ID, (MODULE, DIST_MODULE), patched)
         rt.phase("save")
         at_save, reference = _source(name, ckpt_dir, {} if cache is None else cache, device)
-        model, opt = _build(TARGET_SEED, device, FRACTIONS[name])
+        model, opt = build_offload_fraction(TARGET_SEED, device, FRACTIONS[name])
         rt.phase("load")
-        with _deriving(device):  # the load rebuilds the sub-optimizers and their copies
+        with deriving(device):  # the load rebuilds the sub-optimizers and their copies
             load_legacy(model, opt, ckpt_dir, name)
         rt["hybrid"] = [type(d.optimizer).__name__ for d in distributed(opt)]
         rt.compare(at_save, offloaded_state(model, opt), prefix="loaded/")

@@ -19,21 +19,19 @@ which keeps its step in its param groups as Apex's and Transformer Engine's do) 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from ....testing.dist_optimizer import (
     SOURCE_SEED,
     distributed,
     one_case,
-    optimizer_config,
     request,
     run_cases,
     save_request,
     step,
 )
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import offload_path, offloaded_state
+from ....testing.offload import build_offload_fraction, deriving, offload_path, offloaded_state
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import DIST_MODULE, ID, MODULE
@@ -43,25 +41,6 @@ TARGET_SEED = 98765
 FORMAT = "fully_reshardable"
 FRACTIONS = {"partial_offload": 0.5, "gpu_only": 0.0}  # case -> --optimizer-offload-fraction
 CASES = tuple(FRACTIONS)
-
-
-def _deriving(device):
-    return device.deriving() if device is not None else contextlib.nullcontext()
-
-
-def _build(seed, device, fraction):
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    from ....testing.dist_optimizer import build_model
-
-    model = build_model(seed)
-    if device is not None:
-        device.register(model.module.parameters())
-    config = optimizer_config(
-        optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True
-    )
-    with _deriving(device):  # the fp32 copies of the parameters the GPU optimizer steps are on the GPU
-        return model, get_megatron_optimizer(config, [model])
 
 
 def gpu_steps(opt) -> list:
@@ -77,7 +56,7 @@ def _steps(model, opt, device, first):
     """Two optimizer steps (indices ``first``, ``first + 1``): the state after each."""
     states = []
     for i in (first, first + 1):
-        with _deriving(device):
+        with deriving(device):
             step(model, opt, i)
         states.append(offloaded_state(model, opt))
     return states
@@ -85,8 +64,8 @@ def _steps(model, opt, device, first):
 
 def _source(name, ckpt_dir, cache, device):
     if name not in cache:
-        model, opt = _build(SOURCE_SEED, device, FRACTIONS[name])
-        with _deriving(device):
+        model, opt = build_offload_fraction(SOURCE_SEED, device, FRACTIONS[name])
+        with deriving(device):
             for i in range(STEPS):
                 step(model, opt, i)
         path = os.path.join(ckpt_dir, f"{name}-{FORMAT}")
@@ -104,11 +83,11 @@ def run_case(name, ckpt_dir, patched, cache=None):
         rt["fix_state"] = fix_states(ID, (MODULE, DIST_MODULE), patched)
         rt.phase("save")
         path, reference, rt["reference_gpu_steps"] = _source(name, ckpt_dir, {} if cache is None else cache, device)
-        model, opt = _build(TARGET_SEED, device, FRACTIONS[name])
+        model, opt = build_offload_fraction(TARGET_SEED, device, FRACTIONS[name])
         rt.phase("load")
         loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
         model.module.load_state_dict(loaded["model"])
-        with _deriving(device):  # the load rebuilds the sub-optimizers and their copies
+        with deriving(device):  # the load rebuilds the sub-optimizers and their copies
             opt.load_state_dict(loaded["optimizer"])
         got = _steps(model, opt, device, STEPS)
         rt.phase("steps")
