@@ -191,6 +191,19 @@ def build_offload_fraction(seed, device, fraction):
         return model, get_megatron_optimizer(config, [model])
 
 
+def stepped_states(model, opt, device, indices):
+    """:func:`mcore_ckpt_fixes.testing.dist_optimizer.step` for each index of ``indices`` (inside
+    :func:`deriving`): :func:`offloaded_state` after each."""
+    from .dist_optimizer import step
+
+    states = []
+    for i in indices:
+        with deriving(device):
+            step(model, opt, i)
+        states.append(offloaded_state(model, opt))
+    return states
+
+
 def offloaded_state(model, opt):
     """:func:`mcore_ckpt_fixes.testing.dist_optimizer.local_state`, and the tensor each of the hybrid
     optimizer's CPU optimizers updates (``inner/``)."""

@@ -26,12 +26,13 @@ import os
 
 from ....testing.dist_optimizer import SOURCE_SEED, distributed, one_case, run_cases, step
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import build_offload_fraction, deriving, offload_path, offloaded_state
+from ....testing.offload import build_offload_fraction, deriving, offload_path, offloaded_state, stepped_states
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import DIST_MODULE, ID, MODULE
 
 STEPS = 3  # the source run's steps before the save
+NEXT = (STEPS, STEPS + 1)  # the two steps after it, of the reference and of the resumed run
 TARGET_SEED = 98765
 FRACTIONS = {"full_offload": 1.0, "partial_offload": 0.5}  # case -> --optimizer-offload-fraction
 CASES = tuple(FRACTIONS)
@@ -70,15 +71,6 @@ def load_legacy(model, opt, ckpt_dir, name):
     opt.load_parameter_state(shared)
 
 
-def _two_steps(model, opt, device):
-    states = []
-    for i in (STEPS, STEPS + 1):
-        with deriving(device):
-            step(model, opt, i)
-        states.append(offloaded_state(model, opt))
-    return states
-
-
 def _source(name, ckpt_dir, cache, device):
     if name not in cache:
         model, opt = build_offload_fraction(SOURCE_SEED, device, FRACTIONS[name])
@@ -87,7 +79,7 @@ def _source(name, ckpt_dir, cache, device):
                 step(model, opt, i)
         at_save = offloaded_state(model, opt)
         save_legacy(model, opt, ckpt_dir, name)
-        cache[name] = (at_save, _two_steps(model, opt, device))
+        cache[name] = (at_save, stepped_states(model, opt, device, NEXT))
     return cache[name]
 
 
@@ -112,7 +104,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
             load_legacy(model, opt, ckpt_dir, name)
         rt["hybrid"] = [type(d.optimizer).__name__ for d in distributed(opt)]
         rt.compare(at_save, offloaded_state(model, opt), prefix="loaded/")
-        for i, (want, have) in enumerate(zip(reference, _two_steps(model, opt, device)), start=1):
+        for i, (want, have) in enumerate(zip(reference, stepped_states(model, opt, device, NEXT)), start=1):
             rt.compare(want, have, prefix=f"next{i}/")
         judge(rt)
     return rt.result

@@ -25,6 +25,11 @@ SYNC = "_sync_hdo_state_to_sub_optimizers"
 SET_STATE = "_set_main_param_and_optimizer_states"  # how the dp_zero load writes into the hybrid state
 
 
+def _hybrid_class():
+    """The release's HybridDeviceOptimizer, where its module is imported (None before)."""
+    return sys.modules[MODULE].__dict__.get(CLASS) if MODULE in sys.modules else None
+
+
 def _parameters(hybrid):
     return [param for group in hybrid.param_groups for param in group["params"]]
 
@@ -49,7 +54,7 @@ def load_parameter_state_from_dp_zero(release, self, *args, **kwargs):
     loaded state is handed to its sub-optimizers (their fp32 copies set from the loaded master
     parameters), as the release's fully_reshardable and fully_sharded_model_space loads do."""
     out = release(self, *args, **kwargs)
-    hybrid = sys.modules[MODULE].__dict__.get(CLASS) if MODULE in sys.modules else None
+    hybrid = _hybrid_class()
     if hybrid is not None and isinstance(getattr(self, "optimizer", None), hybrid):
         getattr(self.optimizer, SYNC)()
     return out
@@ -100,7 +105,7 @@ def probe_dp_zero(module: types.ModuleType):
     ``_set_main_param_and_optimizer_states``, call the sync the other loads call? (A sync it reaches
     another way would be repeated by the layer: the same values again.)"""
     cls = module.__dict__.get(DIST_CLASS)
-    hybrid = sys.modules[MODULE].__dict__.get(CLASS) if MODULE in sys.modules else None
+    hybrid = _hybrid_class()
     if cls is None or DP_ZERO not in cls.__dict__ or hybrid is None or SYNC not in hybrid.__dict__:
         return None, f"{DIST_MODULE} has no {DIST_CLASS}.{DP_ZERO}, or {CLASS} no {SYNC}"
     names = original(cls, DP_ZERO).__code__.co_names

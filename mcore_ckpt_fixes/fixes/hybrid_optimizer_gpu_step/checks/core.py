@@ -31,12 +31,13 @@ from ....testing.dist_optimizer import (
     step,
 )
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import build_offload_fraction, deriving, offload_path, offloaded_state
+from ....testing.offload import build_offload_fraction, deriving, offload_path, stepped_states
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import DIST_MODULE, ID, MODULE
 
 STEPS = 3  # the source run's steps before the save
+NEXT = (STEPS, STEPS + 1)  # the two steps after it, of the reference and of the resumed run
 TARGET_SEED = 98765
 FORMAT = "fully_reshardable"
 FRACTIONS = {"partial_offload": 0.5, "gpu_only": 0.0}  # case -> --optimizer-offload-fraction
@@ -52,16 +53,6 @@ def gpu_steps(opt) -> list:
     return out
 
 
-def _steps(model, opt, device, first):
-    """Two optimizer steps (indices ``first``, ``first + 1``): the state after each."""
-    states = []
-    for i in (first, first + 1):
-        with deriving(device):
-            step(model, opt, i)
-        states.append(offloaded_state(model, opt))
-    return states
-
-
 def _source(name, ckpt_dir, cache, device):
     if name not in cache:
         model, opt = build_offload_fraction(SOURCE_SEED, device, FRACTIONS[name])
@@ -70,7 +61,7 @@ def _source(name, ckpt_dir, cache, device):
                 step(model, opt, i)
         path = os.path.join(ckpt_dir, f"{name}-{FORMAT}")
         save_request(request(model, opt, FORMAT, False), path)
-        cache[name] = (path, _steps(model, opt, device, STEPS), gpu_steps(opt))
+        cache[name] = (path, stepped_states(model, opt, device, NEXT), gpu_steps(opt))
     return cache[name]
 
 
@@ -89,7 +80,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
         model.module.load_state_dict(loaded["model"])
         with deriving(device):  # the load rebuilds the sub-optimizers and their copies
             opt.load_state_dict(loaded["optimizer"])
-        got = _steps(model, opt, device, STEPS)
+        got = stepped_states(model, opt, device, NEXT)
         rt.phase("steps")
         rt["gpu_steps"] = gpu_steps(opt)
         if rt["gpu_steps"] != rt["reference_gpu_steps"]:
