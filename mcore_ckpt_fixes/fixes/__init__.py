@@ -48,4 +48,5 @@ ORDER = (
     "hybrid-optimizer-gpu-step",
     "persistent-worker-cpu-snapshot",
     "hybrid-optimizer-dp-zero-load",
+    "forked-save-writers",
 )
