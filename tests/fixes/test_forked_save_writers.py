@@ -1,7 +1,8 @@
 """forked-save-writers: both halves on every affected CI line (see checks/core.py).
 
 World 2 (gloo on CPU), ``dist_checkpointing.save`` in the torch_dist format with two write buckets
-per rank: a save and load, then a save where rank 0 cannot fork (``fork_fails``); a save whose first
+per rank: a save and load, synchronous and asynchronous (Megatron's default async caller), then a
+save where rank 0 cannot fork (``fork_fails``); a save whose first
 bucket writer on rank 0 is killed by SIGSEGV (``write_dies``).
 """
 
@@ -49,15 +50,18 @@ def test_patched_nothing_forks_and_both_saves_load_exactly(fork_fails):
         assert r["fix_state"] == {MODULE: "applied"}, (rank, r["fix_state"])
         assert r["error"] is None, (rank, r["phase"], r["error"], r.get("traceback"))
         assert r["writers"] == r["after/writers"] == "this process", (rank, r["writers"], r["after/writers"])
-        expected = KEYS | {f"after/{k}" for k in KEYS}
+        assert r["async/writers"] == "1 other process(es)", (rank, r["async/writers"])  # the async caller's
+        expected = {f"{p}{k}" for p in ("", "async/", "after/") for k in KEYS}
         assert set(r["max_delta"]) == expected and set(r["max_delta"].values()) == {0.0}, (rank, r["max_delta"])
 
 
 def test_where_nothing_fails_both_halves_save_the_same_bits(fork_fails):
     for rank, (off, on) in enumerate(zip(fork_fails[False], fork_fails[True])):
-        assert off["writers"] == "forked processes", (rank, off["writers"])  # the release's own writer ran
-        assert {k: off["max_delta"][k] for k in KEYS} == {k: 0.0 for k in KEYS}, (rank, off["max_delta"])
-        assert {k: off["digests"][k] for k in KEYS} == {k: on["digests"][k] for k in KEYS}, rank
+        # The release's own writer ran: a process forked per bucket.
+        assert off["writers"] == off["async/writers"] == "2 other process(es)", (rank, off["writers"])
+        saved = [f"{p}{k}" for p in ("", "async/") for k in KEYS]
+        assert {k: off["max_delta"][k] for k in saved} == {k: 0.0 for k in saved}, (rank, off["max_delta"])
+        assert {k: off["digests"][k] for k in saved} == {k: on["digests"][k] for k in saved}, rank
 
 
 def test_unpatched_a_killed_writer_leaves_every_rank_waiting(write_dies):

@@ -2,9 +2,11 @@
 format (the release's default strategy, two write buckets per rank), as every save of 0.12-0.16
 writes, then a load of what was saved.
 
-``fork_fails``: every rank saves two tensors and loads them back (phase ``save``, ``compare``): where
-nothing goes wrong, the same bits with the fix off and on; ``writers`` says whether a bucket was
-written outside the saving process. Then a second save where rank 0 cannot fork (``os.fork`` raises
+``fork_fails``: every rank saves two tensors and loads them back (phase ``save``, ``compare``), then
+saves again as ``--async-save`` does, through Megatron's default async caller, a forked process
+(``async``, ``async/`` keys): where nothing goes wrong, the same bits with the fix off and on;
+``writers`` says which processes wrote the buckets (the release: one forked per bucket; the fix:
+the saving process, or the async caller's one). Then a second save where rank 0 cannot fork (``os.fork`` raises
 ``BlockingIOError``, errno EAGAIN, as it does when a large trainer's address space cannot be copied):
 without the fix rank 0's save raises it (phase ``fork_fails``, on every rank: the world's first
 failure); with it, nothing forks and the second save loads back exactly (``after/`` keys).
@@ -102,14 +104,23 @@ def _state(rank, world_size, base):
     return tensors, sharded
 
 
-def _save(path, sharded):
+def _save(path, sharded, asynchronous=False):
+    """``dist_checkpointing.save``; ``asynchronous``: as ``--async-save`` saves on these releases, the
+    request run by Megatron's default async caller (a forked process) and finalized blocking."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(sharded, path)
+    if not asynchronous:
+        dist_checkpointing.save(sharded, path)
+        return
+    calls = AsyncCallsQueue()
+    calls.schedule_async_request(dist_checkpointing.save(sharded, path, async_sharded_save=True))
+    calls.maybe_finalize_async_calls(blocking=True)
+    calls.close()
 
 
 def _load(path, rank, world_size):
@@ -123,15 +134,17 @@ def _writer_pids(folder, rank):
     return {int(n.rpartition("pid")[2]) for n in os.listdir(folder) if n.startswith(f"writer.rank{rank}.")}
 
 
-def _saved_and_loaded(rt, rank, world_size, ckpt_dir, name, base, prefix=""):
+def _saved_and_loaded(rt, rank, world_size, ckpt_dir, name, base, prefix="", asynchronous=False):
     """Save this rank's two tensors under ``ckpt_dir/name`` (bounded; a failure on any rank is the
-    world's) and compare what loads back."""
+    world's) and compare what loads back; ``{prefix}writers``: how many processes wrote this rank's
+    buckets, and whether this one was among them."""
     path, notes = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, f"{name}.writers")
     os.makedirs(notes, exist_ok=True)
     tensors, sharded = _state(rank, world_size, base)
     with _watched_writers(notes):
-        through_files(rt.current_phase, lambda: within(DEADLINE_S, _save, path, sharded), ckpt_dir)
-    rt[f"{prefix}writers"] = "this process" if _writer_pids(notes, rank) == {os.getpid()} else "forked processes"
+        through_files(rt.current_phase, lambda: within(DEADLINE_S, _save, path, sharded, asynchronous), ckpt_dir)
+    pids = _writer_pids(notes, rank)
+    rt[f"{prefix}writers"] = "this process" if pids == {os.getpid()} else f"{len(pids)} other process(es)"
     rt.compare(tensors, _load(path, rank, world_size), prefix=prefix)
 
 
@@ -145,6 +158,8 @@ def fork_fails(rank, world_size, ckpt_dir, patched, device="cpu"):
         with world():
             rt.phase("save")
             _saved_and_loaded(rt, rank, world_size, ckpt_dir, "first", 0.0)
+            rt.phase("async")
+            _saved_and_loaded(rt, rank, world_size, ckpt_dir, "async", 0.25, prefix="async/", asynchronous=True)
             rt.phase("fork_fails")
             with _fork_fails(FAILING_RANK):
                 _saved_and_loaded(rt, rank, world_size, ckpt_dir, "second", 0.5, prefix="after/")
