@@ -32,7 +32,7 @@ from .. import ID, MODULE
 STARTUP_DEADLINE_S = 90.0  # a save that starts the worker: a spawned interpreter imports torch and Megatron
 # A save through a running worker takes milliseconds; a dead worker is seen once its process has
 # exited, which on a loaded host can take seconds after the error (interpreter teardown).
-DEADLINE_S = 30.0
+DEADLINE_S = 15.0
 DYING_RANK = 0
 
 

@@ -11,7 +11,7 @@ _CORE = f"{__package__}.core"
 # Raised by the check itself (checks/core.py: within) on every rank whose save still waits at the
 # deadline: the dead worker's rank polls its empty completion queue (or waits for the preload's
 # acknowledgement), the other waits in the all-reduce.
-HANG = Bug.raises("finalize", "TimeoutError: save_and_finalize did not return within 30 s")
+HANG = Bug.raises("finalize", "TimeoutError: save_and_finalize did not return within 15 s")
 # Where the fix is on: every rank's error (rank 0's worker died; rank 1's finished).
 DIED_HERE = "PersistentWorkerDied: the persistent checkpoint worker of 1 rank(s) exited before it finished the save (this rank's among them): the checkpoint is incomplete; the worker's error is in that rank's log"
 DIED_ELSEWHERE = "PersistentWorkerDied: the persistent checkpoint worker of 1 rank(s) exited before it finished the save (this rank's worker finished or is alive): the checkpoint is incomplete; the worker's error is in that rank's log"
