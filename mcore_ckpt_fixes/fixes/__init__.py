@@ -49,4 +49,5 @@ ORDER = (
     "persistent-worker-cpu-snapshot",
     "hybrid-optimizer-dp-zero-load",
     "forked-save-writers",
+    "hybrid-optimizer-chained-step",
 )

@@ -33,6 +33,9 @@ class Shape:
     positions: int = 8  # max_sequence_length: the position embedding's rows
     shared_embedding: bool = False  # the word embedding marked as a tied one on a pipeline stage
     pad_buckets_for_high_nccl_busbw: bool = False
+    # Parameters kept out of the dense all-reduce, as Megatron marks expert weights under EP
+    # (``allreduce=False``): DDP gives them the expert buffers, the optimizer an expert optimizer.
+    expert_params: tuple = ()
 
 
 def prepare() -> None:
@@ -72,6 +75,8 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
+            if name in shape.expert_params:
+                p.allreduce = False
     gpt.to(device())
     if shape.shared_embedding:
         # What Megatron marks on the first pipeline stage's word embedding when it is tied to the

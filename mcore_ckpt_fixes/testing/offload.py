@@ -173,15 +173,15 @@ def deriving(device):
     return device.deriving() if device is not None else contextlib.nullcontext()
 
 
-def build_offload_fraction(seed, device, fraction):
+def build_offload_fraction(seed, device, fraction, shape=None):
     """:func:`build_offloaded` with ``--optimizer-offload-fraction fraction``: the parameters not
     offloaded are stepped by the GPU optimizer, over fp32 copies made on the device (built inside
-    :func:`deriving`)."""
+    :func:`deriving`); ``shape``: the model's :class:`~.dist_optimizer.Shape`."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from .dist_optimizer import build_model, optimizer_config
 
-    model = build_model(seed)
+    model = build_model(seed, shape=shape)
     if device is not None:
         device.register(model.module.parameters())
     config = optimizer_config(

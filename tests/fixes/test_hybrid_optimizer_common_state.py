@@ -35,7 +35,7 @@ def test_unpatched_legacy_common_state_is_refused(worlds, mcore_version):
 
 
 def test_unpatched_round_trip(worlds, mcore_version):
-    """0.15-0.18 keep the param groups in common.pt: the load stops; 0.19 keeps its own common
+    """0.14-0.18 keep the param groups in common.pt: the load stops; 0.19 keeps its own common
     state in DCP and loads it."""
     for rank, r in enumerate(w["round_trip"] for w in worlds[False]):
         if mcore_version < Version("0.19.0"):

@@ -2,14 +2,15 @@
 
 * ``round_trip``: a one-layer bf16 GPT under Megatron's DDP and the distributed optimizer as
   Megatron-LM builds it with ``--optimizer-cpu-offload`` (:func:`mcore_ckpt_fixes.testing.offload.build_offloaded`),
-  ``STEPS`` optimizer steps, saved with ``dist_checkpointing`` as ``fully_reshardable``; then one
+  ``STEPS`` optimizer steps, saved with ``dist_checkpointing`` as ``fully_reshardable`` (0.14:
+  ``fully_sharded_model_space``, its default); then one
   more step, the reference. A fresh target run (other initial values) loads the model and then the
   optimizer and takes the same next step. Compared on every rank: the model parameters, the hybrid
   optimizer's state per parameter (``exp_avg``, ``exp_avg_sq``, ``master_param``), the tensor each
-  CPU optimizer updates and every step, after the load and after the next step. 0.15-0.18 keep the
+  CPU optimizer updates and every step, after the load and after the next step. 0.14-0.18 keep the
   optimizer's param groups in ``common.pt``; 0.19 keeps its own common state in DCP.
 * ``legacy_common_state``: the common state an older release's ``fully_reshardable`` save writes
-  (the source optimizer's ``state_dict()`` in ``common.pt``, as 0.15-0.18 write it), read with
+  (the source optimizer's ``state_dict()`` in ``common.pt``, as 0.14-0.18 write it), read with
   ``dist_checkpointing.load_common_state_dict``: on 0.19 the path a checkpoint of 0.15-0.18 takes.
   Its param groups must come back equal.
 
@@ -35,7 +36,17 @@ from .. import ID, MODULE
 
 STEPS = 2
 TARGET_SEED = 4321
-FORMAT = "fully_reshardable"
+
+
+def checkpoint_format() -> str:
+    """``fully_reshardable``, or on 0.14 (which has none) its default ``fully_sharded_model_space``,
+    which keeps the param groups in ``common.pt`` too."""
+    import megatron.core
+    from packaging.version import Version
+
+    return (
+        "fully_reshardable" if Version(megatron.core.__version__) >= Version("0.15.0") else "fully_sharded_model_space"
+    )
 
 
 def refusal_line(exc) -> str:
@@ -55,8 +66,8 @@ def _save(ckpt_dir, device):
     model, opt = build_offloaded(SOURCE_SEED, device)
     for i in range(STEPS):
         step(model, opt, i)
-    path = os.path.join(ckpt_dir, FORMAT)
-    save_request(request(model, opt, FORMAT, False), path)
+    path = os.path.join(ckpt_dir, checkpoint_format())
+    save_request(request(model, opt, checkpoint_format(), False), path)
     saved = offloaded_state(model, opt)
     state_dict = opt.state_dict()
     step(model, opt, STEPS)
@@ -69,7 +80,7 @@ def _round_trip(rt, source, device):
     path, _, saved, reference = source
     model, opt = build_offloaded(TARGET_SEED, device)
     rt.phase("load")
-    loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
+    loaded = dist_checkpointing.load(request(model, opt, checkpoint_format(), True), path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     rt["steps"] = _steps(opt)
@@ -80,7 +91,7 @@ def _round_trip(rt, source, device):
 
 
 def _legacy(rt, source, ckpt_dir):
-    """``common.pt`` as 0.15-0.18 write it (this rank's own), read by the release's common-state load."""
+    """``common.pt`` as 0.14-0.18 write it (this rank's own), read by the release's common-state load."""
     from megatron.core import dist_checkpointing
 
     state_dict = source[1]

@@ -26,7 +26,7 @@ def _helpers() -> str:
 
 
 def source_edits(release: str) -> list:
-    before = _STRATEGY if release.startswith(("0.15.", "0.16.")) else _FUNCTION
+    before = _STRATEGY if release.startswith(("0.14.", "0.15.", "0.16.")) else _FUNCTION
     loaders = _LOADERS["0.19" if release.startswith("0.19.") else "older"]
     edits = [insert_before(TARGET, before, _helpers())]
     for loader in loaders:
