@@ -191,6 +191,20 @@ def build_offload_fraction(seed, device, fraction, shape=None):
         return model, get_megatron_optimizer(config, [model])
 
 
+def load_offloaded(model, opt, path, fmt, device):
+    """Load the ``dist_checkpointing`` save at ``path`` (sharding type ``fmt``) into ``model`` and
+    ``opt`` as Megatron does: the model, then the optimizer, whose load rebuilds the sub-optimizers
+    and their copies (inside :func:`deriving`)."""
+    from megatron.core import dist_checkpointing
+
+    from .dist_optimizer import request
+
+    loaded = dist_checkpointing.load(request(model, opt, fmt, True), path)
+    model.module.load_state_dict(loaded["model"])
+    with deriving(device):
+        opt.load_state_dict(loaded["optimizer"])
+
+
 def stepped_states(model, opt, device, indices):
     """:func:`mcore_ckpt_fixes.testing.dist_optimizer.step` for each index of ``indices`` (inside
     :func:`deriving`): :func:`offloaded_state` after each."""

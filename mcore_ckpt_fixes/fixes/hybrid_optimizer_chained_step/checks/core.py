@@ -22,7 +22,7 @@ import os
 
 from ....testing.dist_optimizer import SOURCE_SEED, Shape, one_case, request, run_cases, save_request, step
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import build_offload_fraction, deriving, offload_path, stepped_states
+from ....testing.offload import build_offload_fraction, deriving, load_offloaded, offload_path, stepped_states
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
@@ -57,8 +57,6 @@ def _source(name, ckpt_dir, cache, device):
 
 
 def run_case(name, ckpt_dir, patched, cache=None):
-    from megatron.core import dist_checkpointing
-
     rt = RoundTrip(case=name)
     with rt.running(), offload_path(apex=True) as device:
         rt.phase("precondition")
@@ -67,10 +65,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
         path, reference = _source(name, ckpt_dir, {} if cache is None else cache, device)
         model, opt = _build(TARGET_SEED, device, name)
         rt.phase("load")
-        loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
-        model.module.load_state_dict(loaded["model"])
-        with deriving(device):  # the load rebuilds the sub-optimizers and their copies
-            opt.load_state_dict(loaded["optimizer"])
+        load_offloaded(model, opt, path, FORMAT, device)
         rt.phase("steps")
         got = stepped_states(model, opt, device, NEXT)
         rt.phase("compare")

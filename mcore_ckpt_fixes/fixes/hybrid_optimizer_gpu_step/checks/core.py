@@ -31,7 +31,7 @@ from ....testing.dist_optimizer import (
     step,
 )
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
-from ....testing.offload import build_offload_fraction, deriving, offload_path, stepped_states
+from ....testing.offload import build_offload_fraction, deriving, load_offloaded, offload_path, stepped_states
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import DIST_MODULE, ID, MODULE
@@ -66,8 +66,6 @@ def _source(name, ckpt_dir, cache, device):
 
 
 def run_case(name, ckpt_dir, patched, cache=None):
-    from megatron.core import dist_checkpointing
-
     rt = RoundTrip(case=name, gpu_steps=None, reference_gpu_steps=None)
     with rt.running(), offload_path(apex=True) as device:
         rt.phase("precondition")
@@ -76,10 +74,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
         path, reference, rt["reference_gpu_steps"] = _source(name, ckpt_dir, {} if cache is None else cache, device)
         model, opt = build_offload_fraction(TARGET_SEED, device, FRACTIONS[name])
         rt.phase("load")
-        loaded = dist_checkpointing.load(request(model, opt, FORMAT, True), path)
-        model.module.load_state_dict(loaded["model"])
-        with deriving(device):  # the load rebuilds the sub-optimizers and their copies
-            opt.load_state_dict(loaded["optimizer"])
+        load_offloaded(model, opt, path, FORMAT, device)
         got = stepped_states(model, opt, device, NEXT)
         rt.phase("steps")
         rt["gpu_steps"] = gpu_steps(opt)
