@@ -112,6 +112,32 @@ def installed() -> List[dict]:
     return out
 
 
+def as_json(bugs: List[dict], states: dict) -> dict:
+    """``status --known-bugs --json``'s ``other_patches``: what :func:`status_lines` says, as data
+    (``active``: each patch found, each bug it silences with its state here; ``installed``: the known
+    patchers installed, whether this version was measured)."""
+    by_id = {b["id"]: b for b in bugs}
+
+    def bug_state(bug_id):
+        bug = by_id.get(bug_id, {})
+        fix = bug.get("fix")
+        return {"id": bug_id, "status": bug.get("status", "not catalogued"), "fix": fix, "fix_state": states.get(fix)}
+
+    active = [{**p, "silences": [bug_state(b) for b in p["silences"]]} for p in found()]
+    installed_here = [
+        {
+            "package": p["package"],
+            "version": p["version"],
+            "call": p["call"],
+            "replaces": [f"{c.module}.{c.name}" for c in p["checks"]],
+            "measured": p["version"] == p["measured"],
+            "silences": sorted({b for c in p["checks"] for b in c.silences}),
+        }
+        for p in installed()
+    ]
+    return {"active": active, "installed": installed_here}
+
+
 def status_lines(bugs: List[dict], states: dict) -> List[str]:
     """``status``'s section (empty where there is nothing to say): the patches active in this
     process, then the known patchers installed here."""

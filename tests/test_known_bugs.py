@@ -158,6 +158,8 @@ def test_status_known_bugs_lists_them(mcore_version):
     expected = known_bugs.affecting(mcore_version)
     assert out["megatron_core"] == str(mcore_version) and out["catalogued"] == len(known_bugs.load())
     assert out["bugs"] == expected and out["summary"] == known_bugs.summary(mcore_version)
+    # No framework here has patched a check (ms-swift's own line: tests/frameworks).
+    assert out["other_patches"]["active"] == [], out["other_patches"]
     text = run_cli(["status", "--known-bugs"]).stdout.strip().splitlines()
     assert text[0] == known_bugs.status_line(mcore_version)
     assert [ln.split()[0] for ln in text[1:]] == [b["id"] for b in expected]

@@ -125,12 +125,18 @@ def run_known_bugs(as_json: bool, import_targets_first: bool = True) -> int:
         probed = _probed(info, mcore_ckpt_fixes.report())
     shown = bugs if version is None else known_bugs.affecting(version, bugs, probed)
     if as_json:
+        from mcore_ckpt_fixes import other_patches
+
         counts = None if version is None else known_bugs.summary(version, bugs, probed)
+        states = {r["id"]: r["state"] for r in mcore_ckpt_fixes.report()}
         out = {
             "megatron_core": None if version is None else str(version),
             "catalogued": len(bugs),
             "summary": counts,
             "bugs": shown,
+            # The patches of other packages in this process that turn catalogued bugs silent
+            # (`status` prints them as "other patch layers"); `status --json` stays a list of fixes.
+            "other_patches": other_patches.as_json(bugs, states),
         }
         print(json.dumps(out, indent=2))
         return 0

@@ -131,8 +131,10 @@ def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> L
     result_paths = [os.path.join(workdir, f"rank{r}.pkl") for r in range(nproc)]
 
     if method == "fork":
+        from . import _arg_docs
         from .worker import run_rank
 
+        _arg_docs.warm()  # read once here, looked up in every forked rank
         pids = []
         for rank in range(nproc):
             pid = os.fork()

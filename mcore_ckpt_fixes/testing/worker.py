@@ -10,6 +10,8 @@ import pickle
 import sys
 import traceback
 
+from . import _arg_docs
+
 
 def _write(path: str, status: str, payload) -> None:
     tmp = path + ".tmp"
@@ -69,6 +71,7 @@ def _run_rank(job: dict, rank: int, result_path: str) -> int:
             timeout=datetime.timedelta(seconds=job["timeout"]),
         )
         _fork_checkpoint_results_queue()
+        _arg_docs.install()
         module_name, func_name = job["scenario"].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         try:

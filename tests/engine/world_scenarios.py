@@ -30,3 +30,16 @@ def fills_a_large_buffer(rank, world_size):
 
 def hangs(rank, world_size):
     time.sleep(3600)
+
+
+def argument_helps(rank, world_size):
+    """Every argument's help text as ``megatron.training``'s parser builds it in this rank, and
+    whether this rank looked its config classes' help texts up (testing/_arg_docs.py)."""
+    import argparse
+
+    from megatron.training.argument_utils import ArgumentGroupFactory
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    looked_up = ArgumentGroupFactory._get_field_docstrings.__module__ == "mcore_ckpt_fixes.testing._arg_docs"
+    return {"helps": {a.dest: a.help for a in parser._actions}, "looked_up": looked_up}

@@ -33,7 +33,11 @@ from mcore_ckpt_fixes.cli import status
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
     status.run(False, True)
-print(json.dumps({"before": before, "after": after, "status": text.getvalue()}))
+as_json = io.StringIO()
+with contextlib.redirect_stdout(as_json):
+    status.run(True, True, known_bugs=True)
+print(json.dumps({"before": before, "after": after, "status": text.getvalue(),
+                  "json": json.loads(as_json.getvalue())["other_patches"]}))
 """
 
 
@@ -74,3 +78,16 @@ def test_status_names_them_and_the_bugs_they_turn_silent(seen):
         section.split()
     ), section
     assert "installed: ms-swift 4.6.0:" in section and "(measured)" in " ".join(section.split()), section
+
+
+def test_status_json_gives_the_same_as_data(seen):
+    """``status --known-bugs --json``'s ``other_patches``: both replacements, each silenced bug with
+    its state here, and ms-swift as an installed patcher of the measured release."""
+    active = {p["check"]: p for p in seen["json"]["active"]}
+    assert set(active) == {PLAN, OVERLAP}, sorted(active)
+    silenced = {b["id"]: b for b in active[PLAN]["silences"]}
+    padding = silenced["dp-reshardable-padding-past-unpadded-end"]
+    assert padding["fix"] == "dp-reshardable-padding" and padding["fix_state"] == "applied", padding
+    (swift,) = seen["json"]["installed"]
+    assert swift["package"] == NAME and swift["version"] == "4.6.0" and swift["measured"] is True, swift
+    assert set(swift["replaces"]) == {PLAN, OVERLAP}, swift
