@@ -50,4 +50,5 @@ ORDER = (
     "hybrid-optimizer-dp-zero-load",
     "forked-save-writers",
     "hybrid-optimizer-chained-step",
+    "float16-optim-fresh-save",
 )
