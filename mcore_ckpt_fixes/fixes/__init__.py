@@ -51,4 +51,5 @@ ORDER = (
     "forked-save-writers",
     "hybrid-optimizer-chained-step",
     "float16-optim-fresh-save",
+    "remove-sharded-tensors",
 )
