@@ -32,6 +32,7 @@ from ....testing.dist_optimizer import SOURCE_SEED, one_case, optimizer_config, 
 # The scenario's prepare (warm imports in the parent before any world forks).
 from ....testing.dist_optimizer import prepare  # noqa: F401
 from ....testing.result import RoundTrip, error_line
+from ...float16_optim_fp32_params.checks.core import request  # the same model + optimizer request
 from ....testing.states import fix_states
 from .. import ID, MODULE
 
@@ -104,11 +105,6 @@ def state(model, opt) -> dict:
 def holds_state(opt) -> bool:
     inner = float16_optimizer(opt)
     return any(inner.optimizer.state.get(p) for group in inner.optimizer.param_groups for p in group["params"])
-
-
-def request(model, opt, is_loading):
-    model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
 def inner_error_line(exc) -> str:
