@@ -63,6 +63,8 @@ def assert_unchanged_by_the_fixes(cfg, out):
     """B with every fix at its default (it saves after step 2 and trains on) against the release's
     own run A (every fix off, no checkpoint): every loss of every step, every parameter, optimizer
     tensor and scalar, the scheduler and every RNG stream, on every rank, the same bits."""
+    # A run that stopped before B was compared has no "unchanged": its error is what to show.
+    assert "unchanged" in out["on"], resume_fail_text(out["on"])
     unchanged = out["on"]["unchanged"]
     assert unchanged["verdict"] == "exact", resume_fail_text(unchanged)
     assert len(unchanged["ranks"]) == cfg.world

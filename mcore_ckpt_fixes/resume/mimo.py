@@ -91,14 +91,15 @@ def _forward(tower, tokens, labels):
     """The module: linear, GELU, dropout in the tracker's model-parallel stream, linear, dropout."""
     from megatron.core import tensor_parallel
 
+    on = next(tower.parameters()).device  # the batch is drawn on the host, as in every run
     x = torch.nn.functional.one_hot(tokens.t() % tower.fc1.input_size, tower.fc1.input_size)
-    h, _ = tower.fc1(x.to(torch.bfloat16))
+    h, _ = tower.fc1(x.to(device=on, dtype=torch.bfloat16))
     h = torch.nn.functional.gelu(h)
     with tensor_parallel.get_cuda_rng_tracker().fork():
         h = torch.nn.functional.dropout(h, DROPOUT, training=True)
     out, _ = tower.fc2(h)
     out = torch.nn.functional.dropout(out, DROPOUT, training=True)
-    target = torch.nn.functional.one_hot(labels.t() % out.shape[-1], out.shape[-1]).float()
+    target = torch.nn.functional.one_hot(labels.t() % out.shape[-1], out.shape[-1]).to(on).float()
     return ((out.float() - target) ** 2).mean()
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import random
 import sys
 import warnings
@@ -163,6 +164,10 @@ def parse_args(cfg, ckpt_dir, steps, resume_args=()):
     from megatron.training import arguments, global_vars
 
     saved_argv, sys.argv = sys.argv, _argv(cfg, ckpt_dir, steps, resume_args)
+    if torch.cuda.is_available() and "--use-megatron-fsdp" not in sys.argv:
+        # As Megatron's launch scripts set it: on a GPU, validate_args refuses TP or CP > 1 without
+        # it (the kernels' order on one hardware queue); Megatron-FSDP wants it unset.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     saved_arch = getattr(arguments, "get_device_arch_version", None)
     if saved_arch is not None and not torch.cuda.is_available():
         # validate_args asks the GPU's architecture under TP > 1 (for CUDA_DEVICE_MAX_CONNECTIONS);

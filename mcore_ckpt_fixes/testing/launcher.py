@@ -146,6 +146,10 @@ def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> L
                 try:
                     _one_intra_op_thread()
                     code = run_rank(job, rank, result_paths[rank])
+                except BaseException:  # not even an error result was written: say why, then exit
+                    import traceback
+
+                    traceback.print_exc()
                 finally:
                     # Megatron's checkpoint writer starts a multiprocessing Manager on first save;
                     # os._exit skips the atexit hook that shuts it down, leaving orphans that hold
@@ -160,7 +164,7 @@ def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> L
             with contextlib.suppress(OSError):  # also from here: no window where the group is unset
                 os.setpgid(pid, pid)
             pids.append(pid)
-        alive = _wait_pids(pids, timeout)
+        alive, ended = _wait_pids(pids, timeout)
     else:
         procs = []
         child_env = dict(os.environ, **(env or {}))  # PYTHONPATH and friends matter at start-up
@@ -172,17 +176,31 @@ def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> L
                     env=child_env,
                 )
             )
-        alive = _wait_procs(procs, timeout)
+        alive, ended = _wait_procs(procs, timeout)
 
     try:
-        return _collect(result_paths, alive, timeout)
+        return _collect(result_paths, alive, timeout, ended)
     finally:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(result_paths, alive, timeout):
+def _how_it_ended(status: Optional[int]) -> str:
+    """A rank's end as its exit status says it: a negative status is the signal that ended it."""
+    if status is None:
+        return "crashed?"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}; its stderr has the rest"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+def _collect(result_paths, alive, timeout, ended=None):
+    """Every rank's result; ``ended``: each finished rank's exit status (negative: the signal)."""
+    ended = ended or {}
     results = []
     for rank, path in enumerate(result_paths):
         if rank in alive:
@@ -196,7 +214,8 @@ def _collect(result_paths, alive, timeout):
             with open(path, "rb") as f:
                 status, payload = pickle.load(f)
         except (OSError, EOFError, pickle.UnpicklingError):
-            results.append(RankResult(rank, False, error=f"rank {rank} exited without a result (crashed?)"))
+            how = _how_it_ended(ended.get(rank))
+            results.append(RankResult(rank, False, error=f"rank {rank} exited without a result ({how})"))
             continue
         results.append(
             RankResult(rank, status == "ok", payload if status == "ok" else None, None if status == "ok" else payload)
@@ -214,14 +233,16 @@ def _read_stack(path: str, limit: int = 4000) -> str:
         return ""
 
 
-def _wait_pids(pids: List[int], timeout: float) -> set:
+def _wait_pids(pids: List[int], timeout: float):
+    """The ranks still running at the deadline (killed), and each other rank's exit status."""
     deadline = time.monotonic() + timeout
     pending = {pid: rank for rank, pid in enumerate(pids)}
+    ended = {}
     while pending and time.monotonic() < deadline:
         for pid in list(pending):
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                del pending[pid]
+                ended[pending.pop(pid)] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         time.sleep(0.02)
     for pid in pending:
         try:
@@ -236,10 +257,11 @@ def _wait_pids(pids: List[int], timeout: float) -> set:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-    return set(pending.values())
+    return set(pending.values()), ended
 
 
-def _wait_procs(procs, timeout: float) -> set:
+def _wait_procs(procs, timeout: float):
+    """As :func:`_wait_pids`, for spawned ranks."""
     deadline = time.monotonic() + timeout
     alive = set()
     for rank, p in enumerate(procs):
@@ -253,7 +275,7 @@ def _wait_procs(procs, timeout: float) -> set:
         except OSError:
             pass
         procs[rank].wait()
-    return alive
+    return alive, {rank: p.returncode for rank, p in enumerate(procs) if rank not in alive}
 
 
 def values(results: List[RankResult]) -> List[Any]:

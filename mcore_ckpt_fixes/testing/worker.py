@@ -54,8 +54,12 @@ def _run_rank(job: dict, rank: int, result_path: str) -> int:
             cpu_shims.install()  # a no-op where CUDA is available
         if torch.cuda.is_available():
             # NCCL needs one GPU per rank; a gloo world on a GPU host (CUDA tensors, fewer GPUs
-            # than ranks) shares them round-robin.
+            # than ranks) shares them round-robin, its tensor collectives through the host.
             torch.cuda.set_device(rank % torch.cuda.device_count())
+            if job["backend"] == "gloo":
+                from . import _gloo_cuda
+
+                _gloo_cuda.install()
 
         # Re-read the fix flags of this world: a forked rank inherits the parent's patch state.
         import mcore_ckpt_fixes

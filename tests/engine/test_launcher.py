@@ -97,3 +97,11 @@ def test_cuda_worlds_fork_only_where_a_forked_child_can_use_the_gpu(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(launcher.os, "fork", lambda: forks.append(1) or 0)
     assert launcher.cuda_method() == "spawn" and not forks
+
+
+def test_a_rank_ended_by_a_signal_is_named_with_it():
+    """A rank that dies without a Python error (a segmentation fault in a collective, say) leaves no
+    result: the error says which signal ended it, not only that there was none."""
+    results = run_world("world_scenarios:killed_by_a_signal", 2, timeout=30)
+    assert not results[1].ok
+    assert "rank 1 exited without a result (killed by SIGKILL" in results[1].error, results[1].error

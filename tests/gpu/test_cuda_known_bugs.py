@@ -55,7 +55,7 @@ def test_mfsdp_no_load_optim_as_catalogued(mcore_version, capsys):
             "error": r["error"], "device": r.get("device"), "max_delta": r["max_delta"]})  # fmt: skip
     with capsys.disabled():
         print(f"\n{bug['id']} on {r.get('device')}: phase {r['phase']}, error {r['error']}, deltas {r['max_delta']}")
-    assert str(r.get("device", "")).startswith("cuda"), r
+    assert str(r.get("device", "")).startswith("cuda"), (r["phase"], r["error"], r.get("traceback"))
     if affected:
         assert (r["phase"], r["error"]) == ("load", MFSDP_ERROR), (r["phase"], r["error"], r.get("traceback"))
     else:

@@ -143,7 +143,7 @@ def step(model, opt, index):
     for name, p in model.module.named_parameters():
         grad = values(SOURCE_SEED, "grad", index, name, shape=p.shape)
         p.main_grad.copy_(grad)
-        p.grad = grad.to(p.dtype)  # what the hybrid optimizer reads when it is not wrapped
+        p.grad = grad.to(device=p.device, dtype=p.dtype)  # what the hybrid optimizer reads when it is not wrapped
     result = opt.step()
     assert result is None or result[0], "the optimizer skipped a step"
 
