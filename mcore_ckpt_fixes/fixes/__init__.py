@@ -52,4 +52,5 @@ ORDER = (
     "hybrid-optimizer-chained-step",
     "float16-optim-fresh-save",
     "remove-sharded-tensors",
+    "async-save-pinned-buffers",
 )
