@@ -27,6 +27,17 @@ def device() -> str:
 WORLD_TIMEOUT_VAR = "MCORE_CKPT_FIXES_GPU_WORLD_TIMEOUT_S"
 
 
+def off_env_of(together) -> dict:
+    """The fix-off half's environment of one world of ``together`` (one scenario, or one fix's batch):
+    every fix off but those any of them runs alongside. A batch's cases share the world, so the case
+    that needs fixes of an earlier bug on its path (hybrid-optimizer-fresh-load's ``fp32``) gets them
+    whichever case is first."""
+    from mcore_ckpt_fixes.engine.flags import GLOBAL_VAR
+
+    alongside = sorted({fix for s in together for fix in s.alongside})
+    return {GLOBAL_VAR: ",".join(alongside) or "off"}
+
+
 def world_of(together) -> tuple:
     """(ranks, timeout) of the world that runs ``together`` (one scenario, or one fix's batch). A
     batch's world is as large as its largest scenario (chained-optim's ``two_chunks`` takes 4 ranks,

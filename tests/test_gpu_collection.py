@@ -116,6 +116,20 @@ def test_fixes_kept_alongside_are_fixes():
         assert s.off_env() == {"MCORE_CKPT_FIXES": ",".join(s.alongside) or "off"}, s.id
 
 
+def test_a_batch_world_keeps_every_case_s_alongside_fixes_in_its_fix_off_half():
+    """hybrid-optimizer-fresh-load's batch runs bf16 first and fp32 (which runs behind the fixes of
+    the fp32 path) in one world: its fix-off half keeps fp32's fixes on, as fp32's own half does."""
+    from cuda_round_trip_judge import off_env_of
+
+    from mcore_ckpt_fixes.testing import for_fix
+
+    batch = [s for s in for_fix("hybrid-optimizer-fresh-load") if s.batch]
+    fp32 = next(s for s in batch if s.name == "fp32")
+    assert batch[0].alongside == () and fp32.alongside, [(s.name, s.alongside) for s in batch]
+    assert off_env_of(batch) == {"MCORE_CKPT_FIXES": ",".join(sorted(fp32.alongside))}
+    assert off_env_of(batch[:1]) == batch[0].off_env() == {"MCORE_CKPT_FIXES": "off"}
+
+
 def _rank(error=None, phase="compare", delta=0.0, device="cuda:0"):
     """One rank's result as a scenario reports it (what the judgement reads of it)."""
     return {"phase": phase, "error": error, "max_delta": {"w": delta}, "n_tensors": 1, "device": device}

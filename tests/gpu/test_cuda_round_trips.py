@@ -26,7 +26,7 @@ import os
 import tempfile
 
 import pytest
-from cuda_round_trip_judge import assert_round_trip, bug_off, device, world_of
+from cuda_round_trip_judge import assert_round_trip, bug_off, device, off_env_of, world_of
 
 from mcore_ckpt_fixes.engine.registry import ENGINE
 from mcore_ckpt_fixes.testing.launcher import WorldError, cuda_method, run_world, values
@@ -89,7 +89,7 @@ def _start(scenario, done):
     nproc, timeout = world_of(together)
     backend = _backend(nproc)
     for patched in (False, True):
-        env = {} if patched else scenario.off_env()  # one fix's batch: one off_env
+        env = {} if patched else off_env_of(together)
         kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": patched, "device": device()}
         if scenario.batch is not None:
             kwargs["names"] = [s.name for s in together]

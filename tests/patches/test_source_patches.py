@@ -143,17 +143,28 @@ for fix_id in fix_ids:
     row = {r["id"]: r for r in mcore_ckpt_fixes.report()}[fix_id]
     out[fix_id] = {"probe": row["targets"], "absent": absent, "round_trips": {}}
 mcore_ckpt_fixes.revert()
+# One world per fix's batch (its scenarios that name the same batch, as its own tests run them; the
+# world as large as its largest), one per scenario without one: the release's runnable scenarios.
+worlds = {}
 for s in mine:
-    if s.absent() is not None:
-        continue  # the feature the scenario needs is not in this release
+    if s.absent() is None:  # else the feature the scenario needs is not in this release
+        worlds.setdefault((s.fix_id, s.batch) if s.batch else (s.fix_id, s.func, s.name), []).append(s)
+for together in worlds.values():
+    first = together[0]
+    kwargs = {"ckpt_dir": tempfile.mkdtemp(), "patched": False}
+    if first.batch:
+        kwargs["names"] = [s.name for s in together]
     try:
-        res = values(run_world(s.func, s.nproc, {"ckpt_dir": tempfile.mkdtemp(), "patched": False},
-                               env={"MCORE_CKPT_FIXES": "off"}, timeout=240))
-    except AssertionError as exc:  # a world that failed: this scenario's test says so, the others go on
-        res = [{"error": str(exc)[-3000:], "max_delta": {}, "n_tensors": 0}]
-    out[s.fix_id]["round_trips"][s.name] = [
-        {"error": r["error"], "max_delta": r["max_delta"], "n_tensors": r["n_tensors"]} for r in res
-    ]
+        ranks = values(run_world(first.batch or first.func, max(s.nproc for s in together), kwargs,
+                                 env={"MCORE_CKPT_FIXES": "off"}, timeout=240 * len(together)))
+        per_scenario = {s.name: [r[s.name] for r in ranks] if first.batch else ranks for s in together}
+    except AssertionError as exc:  # a world that failed: this fix's test says so, the others go on
+        failed = [{"error": str(exc)[-3000:], "max_delta": {}, "n_tensors": 0}]
+        per_scenario = {s.name: failed for s in together}
+    for name, res in per_scenario.items():
+        out[first.fix_id]["round_trips"][name] = [
+            {"error": r["error"], "max_delta": r["max_delta"], "n_tensors": r["n_tensors"]} for r in res
+        ]
 print("RESULT " + json.dumps(out))
 """
 
