@@ -213,6 +213,7 @@ def training(rank, world_size, ckpt_dir, patched, device="cpu"):
         mpu.initialize_model_parallel()
         job.seed(args)
         model, opt, sched = _job(args, cfg, mode)
+        rt["device"] = str(next(model.parameters()).device)  # the rank's GPU where there is one
         for _ in range(2):
             job.train_step(model, opt, sched, args, cpu_gen)
         save_checkpoint(2, [model], opt, sched, 0)

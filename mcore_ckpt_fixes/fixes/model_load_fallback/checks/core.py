@@ -55,14 +55,16 @@ prepare = job.prepare_training
 state = job.snapshot_tensors
 
 
-def _save_both_formats(checkpointing, ckpt_dir, cpu_gen):
-    """One step, then the same state saved as torch_dist and as torch; returns that state."""
+def _save_both_formats(checkpointing, ckpt_dir, cpu_gen, rt):
+    """One step, then the same state saved as torch_dist and as torch; returns that state (and puts
+    in ``rt`` the device the job's model lives on: the rank's GPU where there is one)."""
     from megatron.training import global_vars
 
     save_dir = os.path.join(ckpt_dir, "torch_dist")
     _, model, optimizer, scheduler = job.trained_and_saved(
         checkpointing.save_checkpoint, CONFIG, save_dir, ITERATION, cpu_gen
     )
+    rt["device"] = str(next(model.parameters()).device)
     global_vars.unset_global_variables()
     job.parse_args(LEGACY, os.path.join(ckpt_dir, "torch"), 2)  # save_checkpoint reads the format there
     checkpointing.save_checkpoint(ITERATION, [model], optimizer, scheduler, 0)
@@ -117,7 +119,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
         rt.phase("precondition")
         rt["fix_state"] = fix_states(ID, (MODULE,), patched)
         rt.phase("save")
-        saved = _save_both_formats(checkpointing, ckpt_dir, cpu_gen)
+        saved = _save_both_formats(checkpointing, ckpt_dir, cpu_gen, rt)
         rt.phase("load")
         if _load_each_way(rt, checkpointing, ckpt_dir, saved):
             raise AssertionError(SILENT.partition(": ")[2])
