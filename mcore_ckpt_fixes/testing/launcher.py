@@ -192,7 +192,7 @@ def _how_it_ended(status: Optional[int]) -> str:
         return "crashed?"
     if status < 0:
         try:
-            return f"killed by {signal.Signals(-status).name}; its stderr has the rest"
+            return f"killed by {signal.Signals(-status).name}"
         except ValueError:
             return f"killed by signal {-status}"
     return f"exit status {status}"
