@@ -1,12 +1,12 @@
-"""Collectives of CUDA tensors in a gloo world: the ranks of a test world that share one GPU.
+"""Collectives of CUDA tensors in a gloo world on a GPU host: the resume check's ranks (its worlds
+are gloo worlds), and the round trips of a world with more ranks than GPUs (NCCL refuses two ranks
+on one device, so they share the GPU over gloo).
 
-A world with more ranks than GPUs cannot use NCCL (it refuses two ranks on one device), so its ranks
-share the GPU over gloo. Gloo reduces and broadcasts CUDA tensors, but Megatron's distributed
-optimizer gathers its parameters with a coalesced all-gather of CUDA tensors
-(``torch.distributed._coalescing_manager`` around ``all_gather_into_tensor``), which gloo ends with a
-segmentation fault (torch 2.11 on an H200: every such rank died in ``start_param_sync``). So in such
-a rank (:func:`install`, called by the test worker of a gloo world on a GPU host, never at package
-import):
+Gloo reduces and broadcasts CUDA tensors, but Megatron's distributed optimizer gathers its
+parameters with a coalesced all-gather of CUDA tensors (``torch.distributed._coalescing_manager``
+around ``all_gather_into_tensor``), which gloo ends with a segmentation fault (torch 2.11 on an
+H200: every such rank died in ``start_param_sync``). So in such a rank (:func:`install`, called by
+the world worker of a gloo world on a GPU host, the tests' and selftest's, never at package import):
 
 * ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (and their older names) of CUDA tensors
   run on host copies of them and copy the result back: an all-gather moves the same bits, and a
