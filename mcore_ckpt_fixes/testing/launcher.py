@@ -164,7 +164,7 @@ def _run_world_once(scenario, nproc, kwargs, timeout, backend, method, env) -> L
             with contextlib.suppress(OSError):  # also from here: no window where the group is unset
                 os.setpgid(pid, pid)
             pids.append(pid)
-        alive, ended = _wait_pids(pids, timeout)
+        alive, ended = _wait_pids(pids, timeout, result_paths)
     else:
         procs = []
         child_env = dict(os.environ, **(env or {}))  # PYTHONPATH and friends matter at start-up
@@ -233,8 +233,20 @@ def _read_stack(path: str, limit: int = 4000) -> str:
         return ""
 
 
-def _wait_pids(pids: List[int], timeout: float):
-    """The ranks still running at the deadline (killed), and each other rank's exit status."""
+def _lost_the_port(result_path: str) -> bool:
+    """Did this rank stop because another process held the rendezvous port (``EADDRINUSE``)?"""
+    try:
+        with open(result_path, "rb") as f:
+            status, payload = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return False
+    return status == "error" and "EADDRINUSE" in str(payload)
+
+
+def _wait_pids(pids: List[int], timeout: float, result_paths=()):
+    """The ranks still running at the deadline (killed), and each other rank's exit status. Where
+    rank 0 lost the rendezvous port to another process, the others would wait on that stranger's
+    socket until the deadline: they are killed at once, and :func:`run_world` starts the world again."""
     deadline = time.monotonic() + timeout
     pending = {pid: rank for rank, pid in enumerate(pids)}
     ended = {}
@@ -242,7 +254,10 @@ def _wait_pids(pids: List[int], timeout: float):
         for pid in list(pending):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                ended[pending.pop(pid)] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                rank = pending.pop(pid)
+                ended[rank] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                if rank < len(result_paths) and _lost_the_port(result_paths[rank]):
+                    deadline = time.monotonic()  # the loop ends; the others are killed below
         time.sleep(0.02)
     for pid in pending:
         try:

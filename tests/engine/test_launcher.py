@@ -63,8 +63,9 @@ def test_spawn_method_works_too():
 
 def test_a_taken_rendezvous_port_starts_the_world_again(monkeypatch):
     """Another process holds the port free_port() handed out (rank 0 cannot listen: EADDRINUSE; rank
-    1 waits on the stranger's socket until the deadline): the world starts once more on another
-    port, and its results are the scenario's."""
+    1 would wait on the stranger's socket until the deadline, past pytest's own timeout for a long
+    world): the other ranks are stopped as soon as rank 0 says so, the world starts once more on
+    another port, and its results are the scenario's."""
     import socket
 
     from mcore_ckpt_fixes.testing import launcher
@@ -75,11 +76,13 @@ def test_a_taken_rendezvous_port_starts_the_world_again(monkeypatch):
     ports = [taken.getsockname()[1]]
     real = launcher.free_port
     monkeypatch.setattr(launcher, "free_port", lambda: ports.pop(0) if ports else real())
+    start = time.monotonic()
     try:
-        res = values(run_world("world_scenarios:allreduce_rank", 2, timeout=15))
+        res = values(run_world("world_scenarios:allreduce_rank", 2, timeout=300))
     finally:
         taken.close()
     assert not ports, "the taken port was never handed out"
+    assert time.monotonic() - start < 120, "rank 1 was left waiting for the world's deadline"
     assert res == values(run_world("world_scenarios:allreduce_rank", 2, timeout=60))
 
 
