@@ -12,13 +12,13 @@ import json
 from conftest import check_py, megatron_version
 
 CODE = r"""
-import builtins, io, json, os, random, tempfile
+import builtins, io, json, os, tempfile
 import torch, torch.distributed as dist
 
 def main():
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(random.randint(30000, 45000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # One rank: a file rendezvous, no port another process could hold (a random one collided in CI).
+    store = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from mcore_ckpt_fixes.testing import _cpu_shims as cpu_shims
     cpu_shims.install()
     from megatron.core import dist_checkpointing, parallel_state
