@@ -11,13 +11,16 @@ from mcore_ckpt_fixes.testing import resolve
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 
-def both_halves(fix, entry, off_env=None, tmp_path_factory=None, mcore_version=None, nproc=2):
+def both_halves(fix, entry, off_env=None, tmp_path_factory=None, mcore_version=None, nproc=2, affected=True):
     """``{patched: [each rank's value]}`` for ``entry`` ("module:function") with the fix off and on.
-    ``off_env``: the fix-off half's flags, the fix's own flag off by default."""
+    ``off_env``: the fix-off half's flags, the fix's own flag off by default. ``affected=False``: the
+    releases outside the fix's range instead (where the release works, both halves alike)."""
     from mcore_ckpt_fixes.engine.flags import env_var_for
 
     off_env = {env_var_for(fix.id): "off"} if off_env is None else off_env
-    if mcore_version not in fix.specifiers:
+    if not affected and mcore_version in fix.specifiers:
+        pytest.skip(f"Megatron-Core {mcore_version} is inside {fix.affected}")
+    if affected and mcore_version not in fix.specifiers:
         pytest.skip(f"Megatron-Core {mcore_version} is outside {fix.affected}")
     resolve(f"{entry.partition(':')[0]}:prepare")()
     out = {}

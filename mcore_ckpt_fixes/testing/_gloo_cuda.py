@@ -113,7 +113,6 @@ def install() -> None:
     imported so far (Megatron's bind ``all_gather_into_tensor`` and ``_coalescing_manager`` to names
     of their own) hold them; modules imported later take them from ``torch.distributed``."""
     global _INSTALLED
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     if _INSTALLED:
@@ -132,7 +131,7 @@ def install() -> None:
     # By the names sys.modules files them under: not everything filed there is a module with a
     # __name__ of its own (a Cython extension's parallel helper, say).
     for name, module in list(sys.modules.items()):
-        if module is None or not (name.startswith(("torch.distributed", "megatron")) or module is dist):
+        if module is None or not name.startswith(("torch.distributed", "megatron")):
             continue
         try:
             items = list(vars(module).items())

@@ -9,12 +9,9 @@ allocator pools pinned blocks); tests/gpu runs the same round trip with torch's 
 import pytest
 from fix_worlds import both_halves
 
-from mcore_ckpt_fixes.engine.flags import env_var_for
 from mcore_ckpt_fixes.fixes.async_save_pinned_buffers import FIX, MODULE
 from mcore_ckpt_fixes.fixes.async_save_pinned_buffers.checks import scenarios as sc
 from mcore_ckpt_fixes.fixes.async_save_pinned_buffers.checks.core import SHAPES
-from mcore_ckpt_fixes.testing import resolve
-from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 CORE = "mcore_ckpt_fixes.fixes.async_save_pinned_buffers.checks.core"
 
@@ -40,14 +37,17 @@ def test_patched_the_checkpoint_holds_the_step_it_saved(worlds):
     assert set(r["max_delta"]) == set(SHAPES) and set(r["max_delta"].values()) == {0.0}, r["max_delta"]
 
 
-def test_where_the_release_keeps_the_copies_both_halves_hold_the_step_saved(tmp_path, mcore_version):
+def test_where_the_release_keeps_the_copies_both_halves_hold_the_step_saved(tmp_path_factory, mcore_version):
     """0.17 on keeps the staged copies itself: the fix is not needed, and the outcome is the same
     with it off and on (the release's own code runs)."""
-    if mcore_version in FIX.specifiers:
-        pytest.skip(f"Megatron-Core {mcore_version} needs the fix: the tests above")
-    resolve(f"{CORE}:prepare")()
-    for patched, env in ((False, {env_var_for(FIX.id): "off"}), (True, {})):
-        kwargs = {"ckpt_dir": str(tmp_path / f"patched{patched}"), "patched": patched}
-        (r,) = values(run_world(f"{CORE}:round_trip", 1, kwargs, env=env))
+    halves = both_halves(
+        FIX,
+        f"{CORE}:round_trip",
+        tmp_path_factory=tmp_path_factory,
+        mcore_version=mcore_version,
+        nproc=1,
+        affected=False,
+    )
+    for patched, (r,) in halves.items():
         assert r["error"] is None, (patched, r["phase"], r["error"], r.get("traceback"))
         assert set(r["max_delta"]) == set(SHAPES) and set(r["max_delta"].values()) == {0.0}, (patched, r)
