@@ -16,6 +16,10 @@ the page cache's writeback makes two identical saves of 1.5 GB differ by 2-3x (m
 4361 write calls took 0.30 s in one save and 1.11 s in the next), far more than the fixes' own
 work, which is what this measures.
 
+``BENCH_LAYOUTS`` (comma list of the names below) times only those layouts; ``BENCH_FIXES`` (comma
+list of fix ids) switches only those fixes between the halves, the others staying applied in both:
+what one fix costs.
+
     PYTHONPATH=$E/mcore-0.19.2:. $E/py3.12/bin/python benchmarks/checkpoint_save_load.py [ROUNDS]
 """
 
@@ -46,6 +50,12 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
+def _toggled() -> list | None:
+    """The fix ids whose cost is measured (None: every fix)."""
+    named = os.environ.get("BENCH_FIXES", "").strip()
+    return [f.strip() for f in named.split(",") if f.strip()] or None
+
+
 def rank_main(rank, world_size, cfg, ckpt_dir, rounds):
     """One rank: build, train one step, then time the saves and loads with the fixes on and off."""
     import torch.distributed as dist
@@ -64,7 +74,7 @@ def rank_main(rank, world_size, cfg, ckpt_dir, rounds):
         # reuses (the writer's worker processes, cached plans, the file system's first writes).
         for r in range(-1, rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                mcore_ckpt_fixes.revert()
+                mcore_ckpt_fixes.revert(_toggled())
                 if mode == "on":
                     mcore_ckpt_fixes.apply()
                 iteration = 3 + 2 * r + (mode == "off")
@@ -106,7 +116,14 @@ def main(rounds: int) -> int:
 
     check.prepare()
     rows = []
+    wanted = {n.strip() for n in os.environ.get("BENCH_LAYOUTS", "").split(",") if n.strip()}
+    unknown = wanted - {cfg.name for cfg in LAYOUTS}
+    if unknown:
+        print(f"BENCH_LAYOUTS: unknown {sorted(unknown)}; accepted: {[c.name for c in LAYOUTS]}", file=sys.stderr)
+        return 2
     for cfg in LAYOUTS:
+        if wanted and cfg.name not in wanted:
+            continue
         where = os.environ.get("BENCH_CKPT_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=where)
         kwargs = {"cfg": cfg, "ckpt_dir": work, "rounds": rounds}
@@ -133,7 +150,8 @@ def main(rounds: int) -> int:
                 "ratio_load": round(med["on"]["load"] / med["off"]["load"], 3),
             }
         )
-    print(json.dumps({"megatron_core": str(detect().version), "rounds": rounds, "layouts": rows}, indent=2))
+    summary = {"megatron_core": str(detect().version), "rounds": rounds, "fixes": _toggled() or "all"}
+    print(json.dumps({**summary, "layouts": rows}, indent=2))
     return 0
 
 

@@ -53,4 +53,5 @@ ORDER = (
     "float16-optim-fresh-save",
     "remove-sharded-tensors",
     "async-save-pinned-buffers",
+    "ep-change-optimizer-chain",
 )

@@ -8,7 +8,8 @@ steps. The two checkpoints are then read back here as full tensors (every tensor
 ``torch_dist`` checkpoint at its global shape, through DCP without a process group) and compared
 bit for bit, key by key: every parameter, the fp32 main parameters and the Adam moments of a
 ``fully_reshardable`` optimizer (``step`` lives in its param groups, in the common state), and of the
-common state the iteration and the scheduler. What only one layout can carry is left out, by name:
+common state the iteration, the scheduler and the optimizers' own entries (where the expert-parallel
+size changed, and with it how many optimizers the job chains, by kind: ``optimizer_state_by_kind``). What only one layout can carry is left out, by name:
 the RNG states and the rerun state machine (per rank: ``load_checkpoint`` ignores them where the
 layout changed), and the arguments the run was started with.
 
@@ -25,6 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from ..testing.full_state import common_state, full_tensors, latest_iteration_dir, optimizer_state_by_kind, chain_length
 from ..testing.job_config import Config
 from . import check
 
@@ -106,48 +108,30 @@ def by_name(name: str) -> Change:
     raise KeyError(f"unknown layout change {name!r}; known: {', '.join(c.name for c in CHANGES)}")
 
 
-def full_tensors(ckpt_dir: str) -> dict:
-    """Every tensor of a ``torch_dist`` checkpoint directory at its global shape, read through DCP
-    in this process alone (no process group)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(ckpt_dir)
-    metadata = reader.read_metadata()
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
-
-
-def common_state(ckpt_dir: str) -> dict:
-    """The checkpoint's common state (``common.pt`` up to 0.18, embedded from 0.19), as Megatron reads it."""
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load_common_state_dict(ckpt_dir)
-
-
-def _iter_dir(root: str) -> str:
-    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
-        return os.path.join(root, f"iter_{int(f.read().strip()):07d}")
-
-
 def compare(saved_root: str, loaded_root: str) -> dict:
     """The two checkpoints as full tensors and common state: what differs, by name."""
     from .compare import same
 
-    saved_dir, loaded_dir = _iter_dir(saved_root), _iter_dir(loaded_root)
+    saved_dir, loaded_dir = latest_iteration_dir(saved_root), latest_iteration_dir(loaded_root)
     a, b = full_tensors(saved_dir), full_tensors(loaded_dir)
     differ = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
     ca, cb = common_state(saved_dir), common_state(loaded_dir)
     for key in sorted((set(ca) | set(cb)) - set(PER_LAYOUT)):
-        if key not in ca or key not in cb or not same(ca[key], cb[key]):
+        if key not in ca or key not in cb or not _same_common(key, ca[key], cb[key]):
             differ.append(f"common:{key}")
     return {"n_compared": len(set(a) | set(b)), "differ": differ}
+
+
+def _same_common(key, a, b) -> bool:
+    """Whether two common-state entries are equal; the optimizer's, where the two jobs chain another
+    number of optimizers (an expert-parallel size changed), by kind (:func:`optimizer_state_by_kind`)."""
+    from .compare import same
+
+    if same(a, b):
+        return True
+    if key != "optimizer" or chain_length(a) == chain_length(b):
+        return False
+    return optimizer_state_by_kind(a) == optimizer_state_by_kind(b)
 
 
 def _world(cfg, phase, ckpt_dir, mode, device, timeout):
