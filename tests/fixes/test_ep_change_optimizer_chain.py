@@ -38,3 +38,68 @@ def test_patched_ep_change_both_ways_is_exact_on_every_rank(worlds):
         assert any(k.startswith("moe-ep1-dp2/") for k in names) and any(k.startswith("moe-ep2/") for k in names)
         assert any("exp_avg_sq" in k for k in names) and any("experts" in k for k in names), sorted(names)[:20]
         assert not {k: d for k, d in names.items() if d != 0.0}, rank
+
+
+# -- the reshaping alone, on stand-ins: what it changes and what it leaves to the release -------------
+
+
+def _chain(*kinds):
+    """A stand-in chain: one optimizer per kind (True: expert groups, False: dense), each with a
+    decay and a no-decay group."""
+    from types import SimpleNamespace
+
+    def groups(kind):
+        return [{"params": [0], "wd_mult": w, "is_expert_parallel": kind} for w in (1.0, 0.0)]
+
+    return SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=SimpleNamespace(param_groups=groups(k))) for k in kinds]
+    )
+
+
+def _saved(kind, step):
+    groups = [{"wd_mult": w, "is_expert_parallel": kind, "step": step, "lr": 0.1} for w in (1.0, 0.0)]
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+
+
+def test_states_the_release_reads_as_they_are_are_left_alone():
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+
+    one, two = _chain(False), _chain(False, True)
+    flat = {**_saved(False, 3), "param_state": {"t": 1}}
+    by_position = {0: {**_saved(False, 3), "param_state": {}}, 1: {**_saved(True, 3), "param_state": {}}}
+    for chain, state in (
+        (one, flat),
+        (two, by_position),
+        (two, [flat, flat]),
+        (one, None),
+        (two, {}),
+        (one, {0: flat}),
+    ):
+        assert shape(chain, state) is None, state
+
+
+def test_two_saved_optimizers_load_into_one():
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+
+    mixed = {0: _saved(False, 5), 1: _saved(True, 5), "param_state": {"t": 1}}
+    got = shape(_chain(False), mixed)
+    assert got["param_state"] == {"t": 1} and got["param_state_sharding_type"] == "fully_reshardable"
+    groups = got["optimizer"]["param_groups"]
+    # The dense optimizer's own groups; the expert ones have the same overrides and add nothing.
+    assert [(g["wd_mult"], g["is_expert_parallel"], g["step"]) for g in groups] == [(1.0, False, 5), (0.0, False, 5)]
+
+
+def test_one_saved_optimizer_loads_into_two():
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+
+    mixed = {**_saved(False, 7), 0: {"param_state": {"dense": 1}}, 1: {"param_state": {"expert": 1}}}
+    got = shape(_chain(False, True), mixed)
+    assert sorted(got) == [0, 1]
+    assert got[0]["param_state"] == {"dense": 1} and got[1]["param_state"] == {"expert": 1}
+    for part, kind in ((got[0], False), (got[1], True)):
+        assert part["param_state_sharding_type"] == "fully_reshardable"
+        assert [(g["wd_mult"], g["is_expert_parallel"], g["step"]) for g in part["optimizer"]["param_groups"]] == [
+            (1.0, kind, 7),
+            (0.0, kind, 7),
+        ]
+    assert mixed["optimizer"]["param_groups"][0]["is_expert_parallel"] is False  # the loaded dict is not changed

@@ -90,11 +90,12 @@ def _param_groups_for(optimizer, saved):
     """The saved parameter groups ``optimizer`` pairs its own with: every saved group of its kind,
     and, once each, the groups of the other kind whose overrides no group of its kind has, relabelled
     as its kind (the saving job held them in the other optimizer of its chain; the chain kept every
-    optimizer's step the same). An optimizer whose groups are not of one kind gets every group."""
+    optimizer's step the same). An optimizer whose groups are not of one kind, or carry no flag,
+    gets every group."""
     every = [g for s in saved for g in _saved_param_groups(s)]
     inner = getattr(optimizer, "optimizer", None)
     kinds = {g.get(_EXPERT_FLAG) for g in getattr(inner, "param_groups", ())}
-    if len(kinds) != 1:
+    if len(kinds) != 1 or None in kinds:
         return every
     kind = kinds.pop()
     own = [g for g in every if g.get(_EXPERT_FLAG) == kind]
