@@ -44,7 +44,11 @@ class FusedAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            # Apex counts steps per group, and only for groups that have parameters.
+            # Apex counts steps per group, and only for groups that have parameters: a group the
+            # distributed optimizer left empty on this rank keeps the step it had (none, or a
+            # loaded one), which Megatron 0.14+ aligns across the groups when it saves.
+            if not group["params"]:
+                continue
             group["step"] = group.get("step", 0) + 1
             for p in group["params"]:
                 if p.grad is not None:

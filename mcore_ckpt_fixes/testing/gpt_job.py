@@ -345,7 +345,8 @@ def _scalar(value):
 def snapshot(model, optimizer, scheduler):
     """This rank's whole training state, by name: parameters, every optimizer state tensor and
     scalar (the torch optimizers' groups and per-parameter state, their parameters being the
-    distributed optimizer's fp32 main shards), the scheduler, and every RNG stream."""
+    distributed optimizer's fp32 main shards; not the step of a group empty on this rank), the
+    scheduler, and every RNG stream."""
     from megatron.core import tensor_parallel
 
     models = chunks(model)
@@ -356,7 +357,10 @@ def snapshot(model, optimizer, scheduler):
     for i, inner in enumerate(_inner_optimizers(optimizer)):
         for g, group in enumerate(inner.param_groups):
             for key, value in sorted(group.items()):
-                if key != "params":
+                # A group the distributed optimizer left empty on this rank updates nothing: its
+                # step is Apex's and TE's to leave alone (they count only groups with parameters)
+                # and Megatron's to align when it saves, so a resumed run's differs, unobservably.
+                if key != "params" and not (key == "step" and not group["params"]):
                     state[f"optim{i}:group{g}:{key}"] = _scalar(value)
             for j, p in enumerate(group["params"]):
                 state[f"optim{i}:group{g}:main{j}"] = p.detach().clone().cpu()
