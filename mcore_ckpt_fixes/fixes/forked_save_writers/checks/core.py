@@ -180,3 +180,22 @@ def write_dies(rank, world_size, ckpt_dir, patched, device="cpu"):
             with _watched_writers(ckpt_dir, crash_rank=FAILING_RANK):
                 through_files("save", lambda: within(HANG_S, _save, path, sharded), ckpt_dir, wait=5.0)
     return rt.result
+
+
+def sync_save_runs_in_this_process():
+    """None where a synchronous ``torch_dist`` save writes from the saving process (0.15.0+:
+    ``AsyncRequest.execute_sync``), else why ``fork_fails`` is not run: 0.12.0-0.14.0 run even a
+    synchronous save through the module's ``AsyncCallsQueue``, whose caller forks one process for
+    the write before any bucket; a fork that fails there stops the save with the fix too (the fix
+    replaces the per-bucket processes inside it, not that one)."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import base
+
+    save = getattr(getattr(base, "AsyncSaveShardedStrategy", None), "save", None)
+    if save is not None and "async_calls" in inspect.unwrap(save).__code__.co_names:
+        return (
+            "this release runs a synchronous torch_dist save in a forked caller process (the module's "
+            "AsyncCallsQueue), which this fix does not replace: a failing fork stops that save with the fix too"
+        )
+    return None

@@ -25,6 +25,7 @@ SCENARIOS = (
         prepare=f"{_CORE}:prepare",
         timeout=120.0,
         devices=("cpu",),  # the writer writes host tensors; on a GPU host the same code runs after the copy
+        applicable=f"{_CORE}:sync_save_runs_in_this_process",
         doc="torch_dist save and load (two buckets per rank), then a save where rank 0 cannot fork",
     ),
 )

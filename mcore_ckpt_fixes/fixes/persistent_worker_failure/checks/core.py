@@ -9,8 +9,9 @@ Every rank saves one tensor (phase ``save``, which starts the worker) and loads 
 ``dies``: then a second save whose write raises in rank 0's worker (as a failed device-to-host
 copy, or the OOM killer, ends it), so the worker exits without answering. Without the fix every
 rank's finalization is still waiting at the deadline (phase ``finalize``: :data:`scenarios.HANG`);
-with it every rank raises the fix's error (``worker_died``), closes its worker, and loads the first
-save back exactly (``reload``: ``after/`` keys). ``dies_in_preload``: the same, but the second save
+with it every rank raises the fix's error (``worker_died``), closes its worker as the caller's
+``__del__`` does at exit (no abort: the release would join the dead worker's queue for ever; here
+bounded by :data:`DEADLINE_S`), and loads the first save back exactly (``reload``: ``after/`` keys). ``dies_in_preload``: the same, but the second save
 preloads in the worker (as Megatron's writer does with a persistent worker) and rank 0's preload
 raises: without the fix rank 0 also waits for ever, for the preload's acknowledgement.
 
@@ -97,7 +98,10 @@ def _save_and_load(rank, ckpt_dir, in_preload, rt):
         if "persistent checkpoint worker" not in str(exc):
             raise
         rt["worker_died"] = error_line(exc)
-    calls.close(abort=True)
+    # Where the worker died: its caller closed as at exit (``__del__``: no abort, which 0.12-0.14 do
+    # not have), within the deadline; the release would join the dead worker's queue for ever.
+    caller = getattr(calls, "persistent_caller", None) or calls._persistent_caller  # the name from 0.19
+    within(DEADLINE_S, caller.close)
     rt.phase("reload")  # the checkpoint saved before is intact
     rt.compare({"shard": tensor}, {"shard": torch.load(path)}, prefix="after/")
 

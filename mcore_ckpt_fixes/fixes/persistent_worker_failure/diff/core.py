@@ -3,7 +3,8 @@
 whether the worker is alive when its completion queue is empty, and a rank whose worker died
 without answering adds ``_PERSISTENT_WORKER_DIED`` to ``sync_all_async_calls``' all-reduce, where
 every rank raises; the wait for the preload's acknowledgement is let go by a watcher thread when
-the worker dies. As runtime/core.py's layers do. tests/patches runs the same round trips with the
+the worker dies; and ``close`` of a caller whose worker died aborts it instead of joining its queue.
+As runtime/core.py's layers do. tests/patches runs the same round trips with the
 monkeypatch off.
 """
 
@@ -85,6 +86,16 @@ def _join_new(preloads: str) -> str:
     )
 
 
+# PersistentAsyncCaller.close (its abort branch, from 0.15): a dead worker never takes 'DONE' off
+# its queue, so the join of a close without abort would wait for ever.
+_CLOSE_OLD = "        if self.process:\n            if abort:\n"
+_CLOSE_NEW = (
+    "        if self.process:\n"
+    "            # A worker that died never takes 'DONE' off its queue: joining it would wait for ever.\n"
+    "            if abort or not self.process.is_alive():\n"
+)
+
+
 def source_edits(release: str) -> list:
     # The worker's queues are the caller's own before 0.17, the class's from 0.17.
     old = Version(release) < Version("0.17.0")
@@ -96,4 +107,5 @@ def source_edits(release: str) -> list:
         Replace(ASYNC_UTILS, _SYNC_OLD, _SYNC_NEW),
         Replace(ASYNC_UTILS, _EMPTY_OLD, _empty_new(completions)),
         Replace(ASYNC_UTILS, f"            {preloads}.join()\n", _join_new(preloads)),
+        Replace(ASYNC_UTILS, _CLOSE_OLD, _CLOSE_NEW),
     ]

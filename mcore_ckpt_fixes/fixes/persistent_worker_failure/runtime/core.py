@@ -1,5 +1,6 @@
-"""persistent-worker-failure in a job: the layers on ``PersistentAsyncCaller.schedule_async_call`` and
-``is_current_async_call_done`` and ``AsyncCaller.sync_all_async_calls``, and the probe. Why: doc.md.
+"""persistent-worker-failure in a job: the layers on ``PersistentAsyncCaller.schedule_async_call``,
+``is_current_async_call_done`` and ``close``, and ``AsyncCaller.sync_all_async_calls``, and the probe.
+Why: doc.md.
 
 A rank learns that its save finished from the persistent worker's completion queue. A worker that
 died answers nothing, so the release's poll waits (or reports "still writing") for ever, and the
@@ -10,6 +11,7 @@ every rank that sees it in the sum raises :class:`PersistentWorkerDied`.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -130,6 +132,31 @@ def sync_all_async_calls(release, self, is_alive):
             f"({mine}): the checkpoint is incomplete; the worker's error is in that rank's log"
         )
     return total == 0
+
+
+@layer(ID, MODULE, "close", owner=CLASS)
+def close(release, self, *args, **kwargs):
+    """The release's close; of a caller whose worker died, without the wait for it: the release puts
+    'DONE' on the worker's queue and joins the queue, which a dead worker never empties, so the
+    close (and the caller's ``__del__`` at exit) would hold the rank for ever. Aborted where the
+    release can abort (0.15+: it kills the dead process and lets it go), let go where it cannot."""
+    process = getattr(self, "process", None)
+    if process is None or process.is_alive():
+        return release(self, *args, **kwargs)
+    if "abort" in _parameters(release):
+        return release(self, abort=True)
+    self.process = None  # what the release's close leaves, once its join has returned
+    return None
+
+
+_PARAMETERS: dict = {}
+
+
+def _parameters(fn) -> tuple:
+    found = _PARAMETERS.get(fn)
+    if found is None:
+        found = _PARAMETERS[fn] = tuple(inspect.signature(fn).parameters)
+    return found
 
 
 # -- probe: the release's poll of a worker that died without answering ----------------------------
