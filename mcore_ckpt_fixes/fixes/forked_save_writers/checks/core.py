@@ -188,10 +188,13 @@ def sync_save_runs_in_this_process():
     synchronous save through the module's ``AsyncCallsQueue``, whose caller forks one process for
     the write before any bucket; a fork that fails there stops the save with the fix too (the fix
     replaces the per-bucket processes inside it, not that one)."""
+    import importlib
     import inspect
 
-    from megatron.core.dist_checkpointing.strategies import base
-
+    try:
+        base = importlib.import_module("megatron.core.dist_checkpointing.strategies.base")
+    except ImportError:
+        return None  # no such module: not the 0.12-0.14 layout
     save = getattr(getattr(base, "AsyncSaveShardedStrategy", None), "save", None)
     if save is not None and "async_calls" in inspect.unwrap(save).__code__.co_names:
         return (
