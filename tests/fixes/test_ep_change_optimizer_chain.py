@@ -62,7 +62,7 @@ def _saved(kind, step):
 
 
 def test_states_the_release_reads_as_they_are_are_left_alone():
-    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import in_chain_shape as shape
 
     one, two = _chain(False), _chain(False, True)
     flat = {**_saved(False, 3), "param_state": {"t": 1}}
@@ -79,7 +79,7 @@ def test_states_the_release_reads_as_they_are_are_left_alone():
 
 
 def test_two_saved_optimizers_load_into_one():
-    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import in_chain_shape as shape
 
     mixed = {0: _saved(False, 5), 1: _saved(True, 5), "param_state": {"t": 1}}
     got = shape(_chain(False), mixed)
@@ -90,7 +90,7 @@ def test_two_saved_optimizers_load_into_one():
 
 
 def test_one_saved_optimizer_loads_into_two():
-    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import _optimizer_state_in_chain_shape as shape
+    from mcore_ckpt_fixes.fixes.ep_change_optimizer_chain.runtime.core import in_chain_shape as shape
 
     mixed = {**_saved(False, 7), 0: {"param_state": {"dense": 1}}, 1: {"param_state": {"expert": 1}}}
     got = shape(_chain(False, True), mixed)

@@ -110,12 +110,15 @@ def _param_groups_for(optimizer, saved):
 
 # -- end of replacement ---
 
+# The reshaping under a public name (the diff keeps Megatron's module free of new public names).
+in_chain_shape = _optimizer_state_in_chain_shape
+
 
 @layer(ID, MODULE, FUNCTION, owner=CLASS)
 def load_state_dict(below_us, self, state_dict):
     """The release's load, handed a state dict in the shape of this chain where the load mixed two
     chains' shapes (:func:`_optimizer_state_in_chain_shape`)."""
-    reshaped = _optimizer_state_in_chain_shape(self, state_dict)
+    reshaped = in_chain_shape(self, state_dict)
     if reshaped is None:
         return below_us(self, state_dict)
     saved_by = sum(isinstance(k, int) for k in state_dict) if len(self.chained_optimizers) == 1 else 1
