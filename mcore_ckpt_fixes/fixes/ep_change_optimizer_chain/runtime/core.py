@@ -17,6 +17,7 @@ the other kind's groups with the same overrides. Any other state dict goes to th
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import types
@@ -183,6 +184,13 @@ def probe(module: types.ModuleType):
     cls = module.__dict__.get(CLASS)
     if cls is None or FUNCTION not in vars(cls):
         return None, f"{MODULE} has no {CLASS}.{FUNCTION}"
+    if importlib.util.find_spec("megatron.training") is None:
+        # The mixed state dict comes from megatron.training's save (its chained_optim_avoid_prefix
+        # metadata) and load: without it here (a wheel before 0.17) the path is not measured.
+        return (
+            None,
+            "megatron.training is not installed beside this Megatron-Core: the load this fix mends is not judged",
+        )
     outcome = release_outcome(module)
     if outcome == "loads":
         return False, f"{CLASS}.{FUNCTION} gives each optimizer its state from a save of another chain length"
