@@ -9,7 +9,8 @@ steps. The two checkpoints are then read back here as full tensors (every tensor
 bit for bit, key by key: every parameter, the fp32 main parameters and the Adam moments of a
 ``fully_reshardable`` optimizer (``step`` lives in its param groups, in the common state), and of the
 common state the iteration, the scheduler and the optimizers' own entries (where the expert-parallel
-size changed, and with it how many optimizers the job chains, by kind: ``optimizer_state_by_kind``). What only one layout can carry is left out, by name:
+size changed, and with it how many optimizers the job chains, by kind: ``optimizer_state_by_kind``).
+What only one layout can carry is left out, by name:
 the RNG states and the rerun state machine (per rank: ``load_checkpoint`` ignores them where the
 layout changed), and the arguments the run was started with.
 
@@ -26,17 +27,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from ..testing.full_state import common_state, full_tensors, latest_iteration_dir, optimizer_state_by_kind, chain_length
-from ..testing.job_config import Config
+from ..testing.full_state import chain_length, common_state, full_tensors, latest_iteration_dir, optimizer_state_by_kind
+from ..testing.job_config import LAYOUT_GLOBAL_BATCH, Config, moe_for_layout_change
 from . import check
 
 # Common-state entries a layout change may legitimately change (module doc).
 PER_LAYOUT = ("args", "rng_state", "rerun_state_machine")
-
-
-# Samples per step on every layout: a job resumed elsewhere keeps its global batch (its schedule
-# counts samples); four divide among 1, 2 or 4 data-parallel ranks and 2 pipeline stages.
-GLOBAL_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -56,21 +52,7 @@ def _dense(name, world, tp=1, pp=1, vpp=0, optim_format="fully_reshardable", lay
         vpp=vpp,
         optim_format=optim_format,
         layers=layers,
-        global_batch=GLOBAL_BATCH,
-    )
-
-
-def _moe(name, world, ep, optim_format="fully_reshardable") -> Config:
-    return Config(
-        name,
-        f"MoE GPT, EP={ep} on {world} ranks ({optim_format})",
-        world=world,
-        ep=ep,
-        optim_format=optim_format,
-        global_batch=GLOBAL_BATCH,
-        # Without biases on both sides: with EP=1 an expert's output is returned as a view that
-        # SequentialMLP adds the bias to in place, which autograd rejects (as under expert TP 1).
-        extra_args=("--disable-bias-linear",),
+        global_batch=LAYOUT_GLOBAL_BATCH,
     )
 
 
@@ -85,8 +67,8 @@ CHANGES = (
     Change("dp2-to-dp4", _dense("dp2", 2), _dense("dp4", 4)),
     Change("dp4-to-dp2", _dense("dp4", 4), _dense("dp2", 2)),
     Change("dp2-to-dp1", _dense("dp2", 2), _dense("dp1", 1)),
-    Change("ep2-to-ep1", _moe("ep2", 2, 2), _moe("ep1-dp2", 2, 1)),
-    Change("ep1-to-ep2", _moe("ep1-dp2", 2, 1), _moe("ep2", 2, 2)),
+    Change("ep2-to-ep1", moe_for_layout_change("ep2", 2, 2), moe_for_layout_change("ep1-dp2", 2, 1)),
+    Change("ep1-to-ep2", moe_for_layout_change("ep1-dp2", 2, 1), moe_for_layout_change("ep2", 2, 2)),
     Change("tp2pp1-to-tp1pp2", _dense("tp2", 2, tp=2), _dense("pp2", 2, pp=2)),
     Change(
         "dp2-to-dp4-dp-reshardable",

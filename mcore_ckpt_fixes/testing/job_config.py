@@ -94,3 +94,23 @@ class Config:
         """MoE under TP trains only with sequence parallel (the job adds it); a dense job asks for it."""
         asked = "--sequence-parallel" in self.extra_args + self.megatron_argv
         return self.tp > 1 and (bool(self.ep) or asked)
+
+
+# Samples per step of a job resumed on another layout: it keeps its global batch (its schedule counts
+# samples); four divide among 1, 2 or 4 data-parallel ranks and 2 pipeline stages.
+LAYOUT_GLOBAL_BATCH = 4
+
+
+def moe_for_layout_change(name, world, ep, optim_format="fully_reshardable") -> Config:
+    """The MoE GPT (two experts) that saves under one expert-parallel size and resumes under another."""
+    return Config(
+        name,
+        f"MoE GPT, EP={ep} on {world} ranks ({optim_format})",
+        world=world,
+        ep=ep,
+        optim_format=optim_format,
+        global_batch=LAYOUT_GLOBAL_BATCH,
+        # Without biases on both sides: with EP=1 an expert's output is returned as a view that
+        # SequentialMLP adds the bias to in place, which autograd rejects (as under expert TP 1).
+        extra_args=("--disable-bias-linear",),
+    )

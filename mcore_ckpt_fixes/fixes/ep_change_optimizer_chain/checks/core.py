@@ -26,26 +26,13 @@ from ....testing.full_state import (
     latest_iteration_dir,
     optimizer_state_by_kind,
 )
-from ....testing.job_config import Config
+from ....testing.job_config import moe_for_layout_change
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
 from .. import ID, MODULE
 
 
-def _moe(name, ep) -> Config:
-    return Config(
-        name,
-        f"MoE GPT, two experts, EP={ep} on 2 ranks (fully_reshardable)",
-        world=2,
-        ep=ep,
-        optim_format="fully_reshardable",
-        global_batch=4,  # the same samples per step on both layouts (the schedule counts samples)
-        # With EP=1 an expert's bias is added in place to a view autograd refuses: no biases on either side.
-        extra_args=("--disable-bias-linear",),
-    )
-
-
-EP2, EP1 = _moe("moe-ep2", 2), _moe("moe-ep1-dp2", 1)
+EP2, EP1 = moe_for_layout_change("moe-ep2", 2, 2), moe_for_layout_change("moe-ep1-dp2", 2, 1)
 ITERATION = 2
 SCHEDULER = "opt_param_scheduler"
 
