@@ -14,6 +14,10 @@ kernels cannot be installed on a CPU host. Megatron imports from it
 
 ``causal_conv1d`` is optional in every release (Megatron falls back to ``None``), so it is not
 stood in for. A real ``mamba_ssm`` installation always wins.
+
+Transformer Engine's ``quantize_param_shard`` for an empty list (see
+:func:`install_fp8_param_shard_stand_in`): 0.12.x's fallback without Transformer Engine raises on
+every step of the distributed optimizer, even with no FP8 parameter.
 """
 
 from __future__ import annotations
@@ -184,3 +188,42 @@ def install_transformer_engine_stand_in_for_bridge() -> None:
     except (ImportError, ValueError):
         pass
     sys.meta_path.insert(0, _TEStandInFinder())
+
+
+def install_fp8_param_shard_stand_in() -> None:
+    """Let 0.12.x's distributed optimizer step without Transformer Engine, as it steps with it.
+
+    Every step of 0.12's distributed optimizer calls ``fp8_utils.quantize_param_shard`` with the
+    FP8 parameters among its shards, an empty list when there are none. Transformer Engine's
+    implementation returns for an empty list; 0.12's fallback for a host without it raises
+    ``Invalid Transformer Engine version`` whatever it is given, so no bf16 or fp32 model could
+    step here. The stand-in returns for an empty list, as Transformer Engine's code and 0.13's
+    fallback do, and hands anything else to the release's fallback (which raises as before). A
+    release whose fallback already takes an empty list, or a host with Transformer Engine, is
+    left as it is. It is put in place when ``megatron.core.fp8_utils`` is imported (at once if it
+    is already): the worker itself imports nothing of Megatron.
+    """
+    from ..engine import hooks
+
+    hooks.register("megatron.core.fp8_utils", empty_list_stand_in)
+
+
+def empty_list_stand_in(fp8_utils) -> None:
+    """Put the stand-in into ``fp8_utils`` (a ``megatron.core.fp8_utils``) where its fallback refuses an
+    empty list; once."""
+    fallback = getattr(fp8_utils, "_quantize_param_shard_impl", None)
+    if fallback is None or getattr(fallback, "_empty_list_stand_in", False):
+        return
+    try:
+        fallback([], [], [], None)
+        return  # the release (or Transformer Engine) already takes an empty list
+    except RuntimeError:
+        pass
+
+    def _quantize_param_shard_impl(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return fallback(model_params, *args, **kwargs)
+
+    _quantize_param_shard_impl._empty_list_stand_in = True
+    fp8_utils._quantize_param_shard_impl = _quantize_param_shard_impl

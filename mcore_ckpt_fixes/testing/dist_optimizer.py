@@ -14,6 +14,7 @@ real CUDA calls), and the results say where they ran (``device``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import zlib
 from dataclasses import dataclass
 
@@ -140,11 +141,31 @@ def step(model, opt, index):
     assert ok, "the optimizer skipped a step"
 
 
+def sharding_type(preferred):
+    """``preferred`` (``dp_reshardable``, ``fully_reshardable``) where this release saves it, else
+    ``fully_sharded_model_space``: before 0.15 the distributed optimizer has neither (both came with
+    ``checkpoint_fully_reshardable_formats``), and model space is the reshardable format Megatron-LM
+    saved by default there."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if hasattr(DistributedOptimizer, "checkpoint_fully_reshardable_formats"):
+        return preferred
+    return "fully_sharded_model_space"
+
+
 def request(model, opt, fmt, is_loading):
     """A ``dist_checkpointing`` request of the model and the optimizer in sharding type ``fmt``."""
-    metadata = {"distrib_optim_sharding_type": fmt}
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+    from ..engine.patching import original
+
+    # The release's own signature, not that of a fix's layer in its place.
+    if "metadata" in inspect.signature(original(DistributedOptimizer, "sharded_state_dict")).parameters:
+        kwargs = {"metadata": {"distrib_optim_sharding_type": fmt}}
+    else:  # 0.12: the sharding type is an argument of its own
+        kwargs = {"sharding_type": fmt}
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)}
 
 
 def save_request(state, path, *args):

@@ -61,6 +61,10 @@ def _run_rank(job: dict, rank: int, result_path: str) -> int:
 
                 _gloo_cuda.install()
 
+        from . import _standins
+
+        _standins.install_fp8_param_shard_stand_in()  # 0.12.x without Transformer Engine
+
         # Re-read the fix flags of this world: a forked rank inherits the parent's patch state.
         import mcore_ckpt_fixes
 

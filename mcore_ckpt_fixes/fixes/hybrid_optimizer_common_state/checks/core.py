@@ -27,7 +27,16 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, placed, request, save_request, step, world
+from ....testing.dist_optimizer import (
+    SOURCE_SEED,
+    distributed,
+    placed,
+    request,
+    save_request,
+    sharding_type,
+    step,
+    world,
+)
 from ....testing.dist_optimizer import prepare  # noqa: F401
 from ....testing.offload import build_offloaded, offload_path, offloaded_state
 from ....testing.result import RoundTrip, error_line
@@ -41,12 +50,7 @@ TARGET_SEED = 4321
 def checkpoint_format() -> str:
     """``fully_reshardable``, or on 0.14 (which has none) its default ``fully_sharded_model_space``,
     which keeps the param groups in ``common.pt`` too."""
-    import megatron.core
-    from packaging.version import Version
-
-    return (
-        "fully_reshardable" if Version(megatron.core.__version__) >= Version("0.15.0") else "fully_sharded_model_space"
-    )
+    return sharding_type("fully_reshardable")
 
 
 def refusal_line(exc) -> str:

@@ -28,6 +28,7 @@ from ....testing.dist_optimizer import (
     request,
     run_cases,
     save_request,
+    sharding_type,
     step,
 )
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
@@ -39,7 +40,8 @@ from .. import DIST_MODULE, ID, MODULE
 STEPS = 3  # the source run's steps before the save
 NEXT = (STEPS, STEPS + 1)  # the two steps after it, of the reference and of the resumed run
 TARGET_SEED = 98765
-FORMAT = "fully_reshardable"
+# fully_reshardable; before 0.15 (which has none) the model-space format.
+PREFERRED_FORMAT = "fully_reshardable"
 FRACTIONS = {"partial_offload": 0.5, "gpu_only": 0.0}  # case -> --optimizer-offload-fraction
 CASES = tuple(FRACTIONS)
 
@@ -59,8 +61,8 @@ def _source(name, ckpt_dir, cache, device):
         with deriving(device):
             for i in range(STEPS):
                 step(model, opt, i)
-        path = os.path.join(ckpt_dir, f"{name}-{FORMAT}")
-        save_request(request(model, opt, FORMAT, False), path)
+        path = os.path.join(ckpt_dir, f"{name}-{sharding_type(PREFERRED_FORMAT)}")
+        save_request(request(model, opt, sharding_type(PREFERRED_FORMAT), False), path)
         cache[name] = (path, stepped_states(model, opt, device, NEXT), gpu_steps(opt))
     return cache[name]
 
@@ -74,7 +76,7 @@ def run_case(name, ckpt_dir, patched, cache=None):
         path, reference, rt["reference_gpu_steps"] = _source(name, ckpt_dir, {} if cache is None else cache, device)
         model, opt = build_offload_fraction(TARGET_SEED, device, FRACTIONS[name])
         rt.phase("load")
-        load_offloaded(model, opt, path, FORMAT, device)
+        load_offloaded(model, opt, path, sharding_type(PREFERRED_FORMAT), device)
         got = stepped_states(model, opt, device, NEXT)
         rt.phase("steps")
         rt["gpu_steps"] = gpu_steps(opt)

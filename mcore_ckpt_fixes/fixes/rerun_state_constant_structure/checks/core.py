@@ -72,6 +72,19 @@ def prepare() -> None:
 
 
 @contextlib.contextmanager
+def megatron_groups():
+    """Megatron's process groups (one data-parallel group of every rank) as initialize_megatron
+    sets them up before the machine: before 0.14 the machine's state_dict reads the pipeline rank."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        mpu.destroy_model_parallel()
+
+
+@contextlib.contextmanager
 def fresh_machine(error="PERSISTENT_ERROR"):
     """A fresh process-wide machine in VALIDATE_RESULTS mode, injecting an error of the
     ``RerunDiagnostic`` named ``error`` into every validated result from the second step on."""
@@ -125,6 +138,22 @@ def cached_save_strategy():
     return strategy
 
 
+def restores_rerun(machine, entry) -> bool:
+    """Whether load_checkpoint asks for the saved rerun entry at the saved topology without
+    --finetune: from 0.14 where ``validate_state_dict`` accepts it (a rerun to restore); 0.12-0.13
+    have no such check and ask whenever the entry is there."""
+    validate = getattr(machine, "validate_state_dict", None)
+    return True if validate is None else bool(validate(entry))
+
+
+def _template(build, machine):
+    """The machine's entry to load into: ``force=True`` from 0.14; before, it is always built."""
+    try:
+        return build(machine, None, "torch_dist", force=True)
+    except TypeError:  # 0.12-0.13: no force
+        return build(machine, None, "torch_dist")
+
+
 def load_with_rerun_state(path, model_sd, machine, state_dict=None):
     """As ``load_checkpoint`` reads the rerun state: the common state first, the machine's
     ``force=True`` template only where ``validate_state_dict`` accepts what was saved.
@@ -134,12 +163,21 @@ def load_with_rerun_state(path, model_sd, machine, state_dict=None):
     build = state_dict or type(machine).state_dict
     common = dist_checkpointing.load_common_state_dict(path)
     request = {} if model_sd is None else {"model": model_sd}
-    if "rerun_state_machine" in common and machine.validate_state_dict(common["rerun_state_machine"]):
-        request["rerun_state_machine"] = build(machine, None, "torch_dist", force=True)
+    if "rerun_state_machine" in common and restores_rerun(machine, common["rerun_state_machine"]):
+        request["rerun_state_machine"] = _template(build, machine)
     loaded = dist_checkpointing.load(request, path)
     if "rerun_state_machine" in request:  # else load_checkpoint keeps ignore_rerun_state
         machine.load_state_dict(loaded["rerun_state_machine"])
     return loaded
+
+
+def entry_state(entry):
+    """The machine's state in a rerun entry: at its top from 0.14 on, among the sharded fields
+    before (0.12-0.13 keep it with them, in the ShardedObject); None where the entry has none."""
+    if "state" in entry:
+        return entry["state"]
+    sharded = entry.get("sharded")
+    return sharded.get("state") if isinstance(sharded, dict) else None
 
 
 def on_disk(path):
@@ -150,7 +188,7 @@ def on_disk(path):
     common = dist_checkpointing.load_common_state_dict(path).get("rerun_state_machine")
     keys = FileSystemReader(path).read_metadata().state_dict_metadata
     return {
-        "common_state": None if common is None else common["state"].name,
+        "common_state": None if common is None or entry_state(common) is None else entry_state(common).name,
         "sharded": sorted(k for k in keys if k.startswith("rerun_state_machine")),
     }
 
@@ -257,6 +295,26 @@ def _through_dist_checkpointing(rt, ckpt_dir, rank):
     return paths
 
 
+def cached_reader_missing():
+    """None, or why megatron.training cannot load with --ckpt-assume-constant-structure here:
+    0.17.0 reads such a load through nvidia-resiliency-ext's cached-metadata reader whatever the
+    job's async strategy (its default; 0.17.1 defaults to Megatron-Core's own), and stops with
+    ModuleNotFoundError where that package is not installed."""
+    import importlib.util
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
+
+    from ....engine.patching import original
+
+    # The release's own reader, not the shared-metadata layer in its place.
+    reader = original(strategies, "_get_filesystem_reader") if hasattr(strategies, "_get_filesystem_reader") else None
+    default = inspect.signature(reader).parameters.get("async_strategy") if reader is not None else None
+    if default is None or default.default != "nvrx" or importlib.util.find_spec("nvidia_resiliency_ext"):
+        return None
+    return "megatron.training's load with --ckpt-assume-constant-structure needs nvidia-resiliency-ext on this release"
+
+
 def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     from megatron.core.rerun_state_machine import RerunStateMachine
 
@@ -266,6 +324,8 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu"):
     rt = RoundTrip(error_line=error_line)
     training = training_checkpointing()
     rt["through"] = "megatron.training" if training is not None else "dist_checkpointing"
+    if training is not None and cached_reader_missing():
+        training, rt["through"] = None, f"dist_checkpointing ({cached_reader_missing()})"
     on_cpu = device == "cpu" and not torch.cuda.is_available()
     with placement.on(device), rt.running():
         rt["device"] = str(placement.device())

@@ -32,6 +32,7 @@ from ....testing import placement
 from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
+from ...rerun_state_constant_structure.checks.core import entry_state, megatron_groups
 from .. import ID, MODULE, RERUN_KEY
 
 STRICTNESS = (
@@ -91,9 +92,18 @@ def _request(path, machine, model_sd):
 
     request = {"model": model_sd}
     common = dist_checkpointing.load_common_state_dict(path)
-    if "rerun_state_machine" in common and machine.validate_state_dict(common["rerun_state_machine"]):
+    if "rerun_state_machine" in common and _asks_for_entry(machine, common["rerun_state_machine"]):
         request["rerun_state_machine"] = _idle_entry(machine)
     return request
+
+
+def _asks_for_entry(machine, entry):
+    """From 0.14 load_checkpoint asks for the entry where ``validate_state_dict`` accepts it (a
+    rerun to restore), so an idle entry is left out at any topology. 0.12-0.13 ask for it whenever
+    it is there, except with --finetune or on another topology: there the round trip loads as
+    those do, the loads that leave it out."""
+    validate = getattr(machine, "validate_state_dict", None)
+    return False if validate is None else bool(validate(entry))
 
 
 def _load_each(rt, path, machine, rank, saved):
@@ -127,7 +137,7 @@ def _pending_rerun_load(rt, path, machine, rank, saved):
 
     request = {"model": _model(rank, 200)[1], "rerun_state_machine": _idle_entry(machine)}
     out = dist_checkpointing.load(request, path, strict="raise_all")
-    rt["pending_rerun_state"] = out["rerun_state_machine"]["state"].name
+    rt["pending_rerun_state"] = entry_state(out["rerun_state_machine"]).name
     rt.compare({"asked/w": saved}, {"asked/w": out["model"]["w"]}, prefix="model/")
 
 
@@ -139,7 +149,7 @@ def _through_dist_checkpointing(rt, ckpt_dir, rank):
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     w, model_sd = _model(rank, 1)
-    with _machine() as machine:
+    with megatron_groups(), _machine() as machine:
         dist_checkpointing.save({"model": model_sd, "rerun_state_machine": _idle_entry(machine)}, path)
         rt.phase("load")
         first = _load_each(rt, path, machine, rank, w)

@@ -89,6 +89,11 @@ def _resuming(out, machine, data):
 
 
 def _through_dist_checkpointing(rt, ckpt_dir, rank, cases):
+    with machine_checks.megatron_groups():
+        _each_case_through_dist_checkpointing(rt, ckpt_dir, rank, cases)
+
+
+def _each_case_through_dist_checkpointing(rt, ckpt_dir, rank, cases):
     for case in cases:
         out = rt["cases"][case] = {}
         path = os.path.join(ckpt_dir, case)

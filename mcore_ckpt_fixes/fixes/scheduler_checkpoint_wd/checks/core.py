@@ -3,7 +3,7 @@
 Saved: Megatron's DDP and distributed optimizer (on the FusedAdam path) on a one-layer GPT
 (:mod:`....testing.dist_optimizer`) and Megatron's ``OptimizerParamScheduler`` with a weight decay
 rising linearly from 0.01 to 0.02 over 10 steps, two real optimizer steps, then
-``dist_checkpointing.save`` of the model, the optimizer (``dp_reshardable``) and the scheduler's
+``dist_checkpointing.save`` of the model, the optimizer (``dp_reshardable``; model space before 0.15) and the scheduler's
 state. Resumed with ``--use-checkpoint-opt_param-scheduler`` (``use_checkpoint_opt_param_scheduler``),
 in ``load_checkpoint``'s order (optimizer, then scheduler): once with other weight-decay arguments
 (constant 0.05), once with the saved ones. Expected either way: every param group's lr and weight
@@ -95,7 +95,7 @@ def _save(path):
     for i in range(STEPS):
         dopt.step(model, opt, i)
         sched.step(increment=1)
-    state = dopt.request(model, opt, "dp_reshardable", False)
+    state = dopt.request(model, opt, dopt.sharding_type("dp_reshardable"), False)
     dist_checkpointing.save({**state, "opt_param_scheduler": sched.state_dict()}, path)
 
 
@@ -106,7 +106,7 @@ def _resume(path, wd):
     model = dopt.build_model(2)
     opt = _optimizer(model, wd)
     sched = _scheduler(opt, wd, use_checkpoint=True)
-    loaded = dist_checkpointing.load(dopt.request(model, opt, "dp_reshardable", True), path)
+    loaded = dist_checkpointing.load(dopt.request(model, opt, dopt.sharding_type("dp_reshardable"), True), path)
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(dist_checkpointing.load_common_state_dict(path)["opt_param_scheduler"])
     return opt, sched

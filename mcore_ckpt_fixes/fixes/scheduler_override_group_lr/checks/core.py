@@ -3,7 +3,7 @@
 Saved: Megatron's DDP and distributed optimizer (on the FusedAdam path) on a one-layer GPT (:mod:`....testing.dist_optimizer`)
 with ``--lr 0.01 --min-lr 0.001 --decoupled-lr 0.03`` (the embedding and output layer's own group)
 and Megatron's ``OptimizerParamScheduler`` (cosine, warm-up 1 of 10 steps), two real optimizer
-steps, then ``dist_checkpointing.save`` of the model, the optimizer (``dp_reshardable``) and the
+steps, then ``dist_checkpointing.save`` of the model, the optimizer (``dp_reshardable``; model space before 0.15) and the
 scheduler's state. Resumed: a new optimizer and scheduler with ``--lr 0.02 --min-lr 0.002
 --decoupled-lr 0.05`` and ``--override-opt-param-scheduler``, loaded in ``load_checkpoint``'s order
 (optimizer, then scheduler). Expected: every param group's ``max_lr``, ``min_lr`` and ``lr`` exactly as
@@ -102,7 +102,7 @@ def groups(opt):
 
 
 def _through_dist_checkpointing(rt, ckpt_dir):
-    """The model, the optimizer (``dp_reshardable``) and the scheduler's state saved with
+    """The model, the optimizer (``dp_reshardable``; model space before 0.15) and the scheduler's state saved with
     ``dist_checkpointing``, loaded in ``load_checkpoint``'s order (the optimizer, then the scheduler)."""
     from megatron.core import dist_checkpointing
 
@@ -116,13 +116,13 @@ def _through_dist_checkpointing(rt, ckpt_dir):
     for i in range(STEPS):
         dopt.step(model, opt, i)
         sched.step(increment=1)
-    state = dopt.request(model, opt, "dp_reshardable", False)
+    state = dopt.request(model, opt, dopt.sharding_type("dp_reshardable"), False)
     dist_checkpointing.save({**state, "opt_param_scheduler": sched.state_dict()}, path)
     rt.phase("load")
     model = dopt.build_model(2)
     opt = _optimizer(model, lrs(NEW))
     sched = _scheduler(opt, lrs(NEW), override=True)
-    loaded = dist_checkpointing.load(dopt.request(model, opt, "dp_reshardable", True), path)
+    loaded = dist_checkpointing.load(dopt.request(model, opt, dopt.sharding_type("dp_reshardable"), True), path)
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(dist_checkpointing.load_common_state_dict(path)["opt_param_scheduler"])
     reference = _optimizer(dopt.build_model(3), lrs(NEW))
