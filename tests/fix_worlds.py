@@ -11,10 +11,13 @@ from mcore_ckpt_fixes.testing import resolve
 from mcore_ckpt_fixes.testing.launcher import run_world, values
 
 
-def both_halves(fix, entry, off_env=None, tmp_path_factory=None, mcore_version=None, nproc=2, affected=True):
+def both_halves(
+    fix, entry, off_env=None, tmp_path_factory=None, mcore_version=None, nproc=2, affected=True, kwargs=None
+):
     """``{patched: [each rank's value]}`` for ``entry`` ("module:function") with the fix off and on.
     ``off_env``: the fix-off half's flags, the fix's own flag off by default. ``affected=False``: the
-    releases outside the fix's range instead (where the release works, both halves alike)."""
+    releases outside the fix's range instead (where the release works, both halves alike).
+    ``kwargs``: more arguments of ``entry``, the same in both halves."""
     from mcore_ckpt_fixes.engine.flags import env_var_for
 
     off_env = {env_var_for(fix.id): "off"} if off_env is None else off_env
@@ -26,6 +29,6 @@ def both_halves(fix, entry, off_env=None, tmp_path_factory=None, mcore_version=N
     out = {}
     for patched in (False, True):
         ckpt = str(tmp_path_factory.mktemp(f"patched{patched}"))
-        kwargs = {"ckpt_dir": ckpt, "patched": patched}
-        out[patched] = values(run_world(entry, nproc, kwargs, env={} if patched else dict(off_env)))
+        args = {"ckpt_dir": ckpt, "patched": patched, **(kwargs or {})}
+        out[patched] = values(run_world(entry, nproc, args, env={} if patched else dict(off_env)))
     return out

@@ -89,7 +89,7 @@ run_line() {
 # 1: one after the other): most of a line's time is one Python process, so a second line uses the
 # second core. Each line's log is printed whole as soon as it ends. The streams are balanced by each
 # line's minutes in a recent CI run (LINE_MINUTES; a line not listed counts 1).
-declare -A LINE_MINUTES=([0.19.2]=23 [0.18.2]=21 [0.17.1]=15 [0.16.1]=8 [0.15.3]=1 [0.14.0]=1
+declare -A LINE_MINUTES=([0.19.2]=23 [0.18.2]=21 [0.17.1]=15 [0.16.1]=8 [0.15.3]=1 [0.14.0]=1 [0.13.1]=1
   [fw-ms-swift]=2 [fw-megatron-bridge]=2 [fw-verl]=1 [fw-megatron-fsdp]=1 [fw-nemo-toolkit]=1)
 STREAMS=${MCORE_CKPT_FIXES_TEST_STREAMS:-2}
 failed=()

@@ -54,4 +54,5 @@ ORDER = (
     "remove-sharded-tensors",
     "async-save-pinned-buffers",
     "ep-change-optimizer-chain",
+    "fused-adam-group-step",
 )

@@ -37,6 +37,8 @@ class Shape:
     # Parameters kept out of the dense all-reduce, as Megatron marks expert weights under EP
     # (``allreduce=False``): DDP gives them the expert buffers, the optimizer an expert optimizer.
     expert_params: tuple = ()
+    vocab_size: int = 64  # the untied output layer's rows (and the word embedding's)
+    frozen: tuple = ()  # parameters that take no gradient (requires_grad False): not in any buffer
 
 
 def prepare() -> None:
@@ -72,12 +74,14 @@ def build_model(seed, bf16=True, bucket_size=None, shape=None):
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
-    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=shape.positions)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=shape.vocab_size, max_sequence_length=shape.positions)
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(values(seed, "param", name, shape=p.shape))
             if name in shape.expert_params:
                 p.allreduce = False
+            if name in shape.frozen:
+                p.requires_grad_(False)
     gpt.to(device())
     if shape.shared_embedding:
         # What Megatron marks on the first pipeline stage's word embedding when it is tied to the
@@ -136,7 +140,8 @@ def step(model, opt, index):
     model.zero_grad_buffer()
     opt.zero_grad()
     for name, p in model.module.named_parameters():
-        p.main_grad.copy_(values(SOURCE_SEED, "grad", index, name, shape=p.shape))
+        if p.requires_grad:  # a frozen parameter has no gradient
+            p.main_grad.copy_(values(SOURCE_SEED, "grad", index, name, shape=p.shape))
     ok, _, _ = opt.step()
     assert ok, "the optimizer skipped a step"
 
@@ -153,8 +158,9 @@ def sharding_type(preferred):
     return "fully_sharded_model_space"
 
 
-def request(model, opt, fmt, is_loading):
-    """A ``dist_checkpointing`` request of the model and the optimizer in sharding type ``fmt``."""
+def request(model, opt, fmt, is_loading, **metadata):
+    """A ``dist_checkpointing`` request of the model and the optimizer in sharding type ``fmt``;
+    ``metadata``: more of what megatron.training puts in the optimizer's metadata (0.13 on)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     model_sd = model.module.sharded_state_dict()
@@ -162,7 +168,7 @@ def request(model, opt, fmt, is_loading):
 
     # The release's own signature, not that of a fix's layer in its place.
     if "metadata" in inspect.signature(original(DistributedOptimizer, "sharded_state_dict")).parameters:
-        kwargs = {"metadata": {"distrib_optim_sharding_type": fmt}}
+        kwargs = {"metadata": {"distrib_optim_sharding_type": fmt, **metadata}}
     else:  # 0.12: the sharding type is an argument of its own
         kwargs = {"sharding_type": fmt}
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)}
