@@ -32,7 +32,16 @@ import torch
 import torch.distributed as dist
 
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import SOURCE_SEED, distributed, optimizer_config, request, step, values, world
+from ....testing.dist_optimizer import (
+    SOURCE_SEED,
+    distributed,
+    optimizer_config,
+    request,
+    sharding_type,
+    step,
+    values,
+    world,
+)
 from ....testing.dist_optimizer import device as world_device
 
 # The scenarios' prepare (warm imports in the parent before any world forks).
@@ -159,7 +168,7 @@ def _save(rt, case, path):
         step(model, opt, i)
     rt["mispaired"] = mispaired(model, opt)
     rt.phase("save")
-    dist_checkpointing.save(request(model, opt, CASES[case], False), path)
+    dist_checkpointing.save(request(model, opt, sharding_type(CASES[case]), False), path)
     saved = full_state(model, opt)
     step(model, opt, STEPS)
     return saved, full_state(model, opt)
@@ -171,7 +180,7 @@ def _load(rt, case, path):
     model, opt = build(case, TARGET_SEED)
     step(model, opt, 100)
     rt.phase("load")
-    loaded = dist_checkpointing.load(request(model, opt, CASES[case], True), path)
+    loaded = dist_checkpointing.load(request(model, opt, sharding_type(CASES[case]), True), path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     rt["mispaired_target"] = mispaired(model, opt)
@@ -207,6 +216,19 @@ def run_case(case, ckpt_dir, patched, device="cpu"):
         if rt["swapped"]:
             rt.fail(SWAPPED)
     return rt.result
+
+
+def next_step_comparable():
+    """None, or why the round trip cannot judge this release: on 0.12.x the step after the load at
+    DP=1 differs from the uninterrupted DP=2 run's in the last bits (2e-7 in the main values) with
+    the fix on too, though every loaded value is exact; not traced, and the comparison is not
+    loosened for it."""
+    import megatron.core
+    from packaging.version import Version
+
+    if Version(megatron.core.__version__) < Version("0.13.0"):
+        return "0.12's next step after a load at another data-parallel size is not bitwise the uninterrupted run's"
+    return None
 
 
 def cases(rank, world_size, ckpt_dir, patched, device="cpu", names=None):

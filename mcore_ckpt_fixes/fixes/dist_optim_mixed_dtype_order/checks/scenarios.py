@@ -1,6 +1,7 @@
 """dist-optim-mixed-dtype-order's round trip as the suite and ``selftest`` find it (no torch, no
 Megatron here): six equal-sized parameters, two bf16 then four fp32, in one parameter group of the
-distributed optimizer (Apex's FusedAdam, a CPU stand-in), saved as ``fully_reshardable`` with DP=2 and loaded with DP=1
+distributed optimizer (Apex's FusedAdam, a CPU stand-in), saved as ``fully_reshardable`` (model space
+before 0.15) with DP=2 and loaded with DP=1
 on 2 gloo ranks (checks/core.py). tests/fixes/test_dist_optim_mixed_dtype_order.py also runs a bf16
 GPT with fp32 norms saved and loaded as ``dp_reshardable``, in the same world.
 """
@@ -20,17 +21,16 @@ SCENARIOS = (
         "equal_sizes",
         f"{_CORE}:equal_sizes",
         2,
-        {">=0.15.0,<=0.19.2": SWAPPED},
+        {">=0.13.0,<=0.19.2": SWAPPED},
         prepare=f"{_CORE}:prepare",
         batch=f"{_CORE}:cases",
-        # The fully_reshardable format (0.15.0 on): the layout that hands swapped state to a reader
-        # of another data-parallel size.
-        requires=(
-            "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fully_reshardable",
-        ),
+        # fully_reshardable (model space before 0.15, which has no fully_reshardable): the layout that
+        # hands swapped state to a reader of another data-parallel size.
+        alongside=("numpy2-product",),  # before 0.16 the model-space save calls numpy's product
+        applicable=f"{_CORE}:next_step_comparable",
         doc=(
             "bf16 and fp32 parameters of one shape in one group, the distributed optimizer: saved "
-            "fully_reshardable with DP=2, loaded with DP=1, every parameter's main value and Adam "
+            "fully_reshardable (model space before 0.15) with DP=2, loaded with DP=1, every parameter's main value and Adam "
             "moments its own, and the next step the uninterrupted run's"
         ),
     ),

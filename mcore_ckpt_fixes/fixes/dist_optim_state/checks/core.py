@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ....testing._fused_adam import optimizer_path
-from ....testing.dist_optimizer import build, local_state, one_case, run_cases, save_request, step
+from ....testing.dist_optimizer import build, local_state, one_case, run_cases, save_request, sharding_type, step
+from ....testing.dist_optimizer import request as dopt_request
 from ....testing.dist_optimizer import prepare  # noqa: F401  (the scenarios' prepare)
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
@@ -76,14 +77,11 @@ def default_format_unsavable():
 
 
 def _request(model, opt, fmt, is_loading):
+    if fmt is not None:  # before 0.15 (no dp_reshardable, fully_reshardable) in model space
+        return dopt_request(model, opt, sharding_type(fmt), is_loading)
     model_sd = model.module.sharded_state_dict()
-    if fmt is None:  # as third-party trainers call it
-        optimizer = (
-            opt.sharded_state_dict(model_sd, is_loading=True) if is_loading else opt.sharded_state_dict(model_sd)
-        )
-    else:
-        metadata = {"distrib_optim_sharding_type": fmt}
-        optimizer = opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    # Without metadata, as third-party trainers call it.
+    optimizer = opt.sharded_state_dict(model_sd, is_loading=True) if is_loading else opt.sharded_state_dict(model_sd)
     return {"model": model_sd, "optimizer": optimizer}
 
 

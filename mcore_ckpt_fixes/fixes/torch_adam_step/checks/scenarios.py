@@ -28,9 +28,10 @@ SCENARIOS = (
         {">=0.12.0,<=0.19.2": FRESH_LOAD_BUG},
         prepare=_PREPARE,
         batch=f"{_CORE}:cases",
-        requires=(f"{MODULE}:DistributedOptimizer.sharded_param_state_dp_reshardable",),
         applicable=f"{_CORE}:dp_reshardable_keeps_step",
-        doc="dp_reshardable checkpoint loaded into a freshly built distributed optimizer (torch Adam)",
+        alongside=("numpy2-product",),  # before 0.15 the model-space save calls numpy's product
+        doc="dp_reshardable checkpoint (model space before 0.15) loaded into a freshly built distributed "
+        "optimizer (torch Adam)",
     ),
     Scenario(
         ID,
