@@ -25,7 +25,6 @@ SCENARIOS = (
         2,
         {">=0.12.0,<0.14.0": RESTARTED, ">=0.14.0,<=0.19.2": STEPS_ASSERT},
         prepare=f"{_CORE}:prepare",
-        devices=("cpu",),
         alongside=("numpy2-product",),  # the releases <= 0.13 save through numpy's product, gone in numpy 2
         doc="FusedAdam, DP=2, the no-weight-decay group empty on DP rank 0: saved dp_zero_gather_scatter by a "
         "release <= 0.13 after 5 steps, resumed, 3 steps, saved, loaded again",
