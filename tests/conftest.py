@@ -38,6 +38,12 @@ def megatron_version():
     return detect().version
 
 
+def envs_dir() -> str:
+    """Where tools/envs.sh and tools/test.sh keep the environments (``$MCORE_CKPT_FIXES_ENVS``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(cache, "mcore-ckpt-fixes", "envs")
+
+
 def child_env(paths: list, env: dict | None) -> dict:
     """This environment without fix flags, ``paths`` before the inherited PYTHONPATH, then ``env``
     (whose own PYTHONPATH entries, if any, go first: the caller's must shadow the environment's)."""

@@ -10,9 +10,9 @@ user's unfixed 0.13 job wrote it; both halves then load that one checkpoint.
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+from conftest import ROOT, child_env, envs_dir, run_py
 from fix_worlds import both_halves
 from packaging.version import Version
 
@@ -21,7 +21,6 @@ from mcore_ckpt_fixes.fixes.fused_adam_group_step.checks import core
 from mcore_ckpt_fixes.fixes.fused_adam_group_step.checks import scenarios as sc
 
 CORE = "mcore_ckpt_fixes.fixes.fused_adam_group_step.checks.core"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OLD_RELEASE, OLD_PYTHON = "0.13.1", "py3.11"
 WRITE = """
 from mcore_ckpt_fixes.testing.launcher import run_world, values
@@ -32,18 +31,14 @@ print(values(run_world("{core}:write_old_checkpoint", 2, kwargs, env={{"MCORE_CK
 """
 
 
-def _envs():
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(cache, "mcore-ckpt-fixes", "envs")
-
-
 def _old_checkpoint(folder):
     """The checkpoint (and the uninterrupted run's state) a 0.13.1 world writes into ``folder``."""
-    envs = _envs()
+    envs = envs_dir()
     python = os.path.join(envs, OLD_PYTHON, "bin", "python")
     if not (os.path.isdir(os.path.join(envs, f"mcore-{OLD_RELEASE}")) and os.path.exists(python)):
         subprocess.run(["bash", os.path.join(ROOT, "tools", "envs.sh"), OLD_RELEASE], check=True, timeout=900)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(envs, f"mcore-{OLD_RELEASE}"), ROOT]))
+    # 0.13.1's interpreter and path alone (not this line's), the fix flags of this environment left out.
+    env = dict(child_env([], None), PYTHONPATH=os.pathsep.join([os.path.join(envs, f"mcore-{OLD_RELEASE}"), ROOT]))
     done = subprocess.run(
         [python, "-c", WRITE.format(core=CORE, folder=folder)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -141,9 +136,8 @@ def test_the_source_diff_resumes_an_old_checkpoint(old, mcore_version, tmp_path)
     patch = os.path.join(ROOT, "patches", FIX.id, f"{mcore_version}.patch")
     applied = subprocess.run(["patch", "-p1", "--forward", "-i", patch], cwd=root, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, ROOT]))
     code = PATCHED_RUN.format(core=CORE, ckpt=str(tmp_path / "ckpt"), old=old, megatron=os.path.join(root, "megatron"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = run_py(code, env={"PYTHONPATH": root})  # the patched copy first on the path
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = eval(done.stdout.strip().splitlines()[-1])
     for rank, r in enumerate(ranks):

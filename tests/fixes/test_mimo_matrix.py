@@ -76,7 +76,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, megatron_version
+from conftest import ROOT, envs_dir, megatron_version
 
 from mcore_ckpt_fixes.fixes.mimo_optimizer.checks.scenarios import MIMO_WORLD2_BUG
 
@@ -128,14 +128,8 @@ def _label(cell):
     return f"{rel}-{'on' if patched else 'off'}"
 
 
-def _envs_dir():
-    # Where tools/test.sh and tools/envs.sh put them.
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(cache, "mcore-ckpt-fixes", "envs")
-
-
 def _interpreter(rel):
-    envs = _envs_dir()
+    envs = envs_dir()
     py = os.path.join(envs, f"py{PYTHONS[rel]}", "bin", "python")
     lib = os.path.join(envs, f"mcore-{rel}")
     missing = [p for p in (py, lib) if not os.path.exists(p)]

@@ -18,16 +18,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, envs_dir
 
 DRIVER = os.path.join(ROOT, "tests", "fixes", "mimo_matrix_driver.py")
 MIXED = {"language": "non_distributed", "vision": "dp_reshardable"}
 OLD_LAYOUT_WRITER = {"0.17.1": "0.17.1", "0.18.2": "0.18.2", "0.19.2": "0.18.2"}
-
-
-def _envs_dir():
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("MCORE_CKPT_FIXES_ENVS") or os.path.join(cache, "mcore-ckpt-fixes", "envs")
 
 
 def _drive(python, megatron_root, jobs, workdir, name):
@@ -47,7 +42,7 @@ def test_source_patch_reads_the_old_mimo_layout(mcore_version, tmp_path):
     if release not in OLD_LAYOUT_WRITER:
         pytest.skip(f"no patches/mimo-optimizer diff for {release} (no megatron.core.models.mimo)")
     writer = OLD_LAYOUT_WRITER[release]
-    envs = _envs_dir()
+    envs = envs_dir()
     writer_root = os.path.join(envs, f"mcore-{writer}")
     if not os.path.isdir(writer_root):
         pytest.fail(f"needs the Megatron-Core {writer} environment: build it with tools/envs.sh {writer}")

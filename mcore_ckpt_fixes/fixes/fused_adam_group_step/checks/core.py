@@ -89,9 +89,10 @@ def _saved_group_lists(tree):
                 yield from _saved_group_lists(value)
 
 
-def _uninterrupted(folder):
-    """Train, save ``OLD_FORMAT`` into ``folder``/checkpoint, train on: what the run kept, per rank.
-    Releases <= 0.13 write the checkpoint as users have it; later ones with those groups stood in."""
+def _uninterrupted(folder, rank):
+    """Train, save ``OLD_FORMAT`` into ``folder``/checkpoint, train on: what the run kept, also in
+    ``folder``/kept-rank<N>.pt. Releases <= 0.13 write the checkpoint as users have it; later ones
+    with those groups stood in."""
     model, opt = dopt.build(dopt.SOURCE_SEED, shape=SHAPE)
     for i in range(STEPS):
         dopt.step(model, opt, i)
@@ -101,16 +102,16 @@ def _uninterrupted(folder):
     dopt.save_request(state, os.path.join(folder, "checkpoint"))
     for i in range(STEPS, STEPS + MORE):
         dopt.step(model, opt, i)
-    return {"state": dopt.local_state(model, opt), "steps": group_steps(opt)}
+    kept = {"state": dopt.local_state(model, opt), "steps": group_steps(opt)}
+    torch.save(kept, os.path.join(folder, f"kept-rank{rank}.pt"))
+    return kept
 
 
 def write_old_checkpoint(rank, world_size, ckpt_dir, device="cpu"):
     """On a release <= 0.13: the old run, its checkpoint and what it kept (``kept-rank<N>.pt``)."""
     assert writes_step_less_groups(), "the old checkpoint is written by a release <= 0.13"
     with dopt.world(device), _fused_adam.optimizer_path(apex=True):
-        kept = _uninterrupted(ckpt_dir)
-    torch.save(kept, os.path.join(ckpt_dir, f"kept-rank{rank}.pt"))
-    return {"steps": kept["steps"]}
+        return {"steps": _uninterrupted(ckpt_dir, rank)["steps"]}
 
 
 def _writer():
@@ -164,8 +165,7 @@ def round_trip(rank, world_size, ckpt_dir, patched, device="cpu", old=None):
         if old is None:
             rt.phase("save")
             old = os.path.join(ckpt_dir, "old")
-            kept = _uninterrupted(old)
-            torch.save(kept, os.path.join(old, f"kept-rank{rank}.pt"))
+            _uninterrupted(old, rank)
             dist.barrier()
         try:
             _resume(rt, old, ckpt_dir, rank)

@@ -146,8 +146,11 @@ def restores_rerun(machine, entry) -> bool:
     return True if validate is None else bool(validate(entry))
 
 
-def _template(build, machine):
-    """The machine's entry to load into: ``force=True`` from 0.14; before, it is always built."""
+def forced_entry(machine, build=None):
+    """The machine's full entry whatever its state (what a load fills in): ``force=True`` from 0.14;
+    before, the state is always returned. ``build``: the ``state_dict`` function (default: the
+    machine's own)."""
+    build = build or type(machine).state_dict
     try:
         return build(machine, None, "torch_dist", force=True)
     except TypeError:  # 0.12-0.13: no force
@@ -160,11 +163,10 @@ def load_with_rerun_state(path, model_sd, machine, state_dict=None):
     ``state_dict``: the function that builds the template (default: the machine's own)."""
     from megatron.core import dist_checkpointing
 
-    build = state_dict or type(machine).state_dict
     common = dist_checkpointing.load_common_state_dict(path)
     request = {} if model_sd is None else {"model": model_sd}
     if "rerun_state_machine" in common and restores_rerun(machine, common["rerun_state_machine"]):
-        request["rerun_state_machine"] = _template(build, machine)
+        request["rerun_state_machine"] = forced_entry(machine, state_dict)
     loaded = dist_checkpointing.load(request, path)
     if "rerun_state_machine" in request:  # else load_checkpoint keeps ignore_rerun_state
         machine.load_state_dict(loaded["rerun_state_machine"])

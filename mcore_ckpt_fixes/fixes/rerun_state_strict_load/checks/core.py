@@ -32,7 +32,7 @@ from ....testing import placement
 from ....testing.gpt_job import training_checkpointing
 from ....testing.result import RoundTrip
 from ....testing.states import fix_states
-from ...rerun_state_constant_structure.checks.core import entry_state, megatron_groups
+from ...rerun_state_constant_structure.checks.core import entry_state, forced_entry, megatron_groups
 from .. import ID, MODULE, RERUN_KEY
 
 STRICTNESS = (
@@ -71,14 +71,6 @@ def _machine():
         rsm.destroy_rerun_state_machine()
 
 
-def _idle_entry(machine):
-    """The machine's full state with no rerun pending, as the releases that write it do."""
-    try:
-        return machine.state_dict(None, "torch_dist", force=True)
-    except TypeError:  # 0.12-0.13: no force, the state is always returned
-        return machine.state_dict(None, "torch_dist")
-
-
 def _model(rank, seed):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -93,7 +85,7 @@ def _request(path, machine, model_sd):
     request = {"model": model_sd}
     common = dist_checkpointing.load_common_state_dict(path)
     if "rerun_state_machine" in common and _asks_for_entry(machine, common["rerun_state_machine"]):
-        request["rerun_state_machine"] = _idle_entry(machine)
+        request["rerun_state_machine"] = forced_entry(machine)
     return request
 
 
@@ -135,7 +127,7 @@ def _pending_rerun_load(rt, path, machine, rank, saved):
     """A load that asks for the entry (as for a pending rerun) under raise_all: as the release."""
     from megatron.core import dist_checkpointing
 
-    request = {"model": _model(rank, 200)[1], "rerun_state_machine": _idle_entry(machine)}
+    request = {"model": _model(rank, 200)[1], "rerun_state_machine": forced_entry(machine)}
     out = dist_checkpointing.load(request, path, strict="raise_all")
     rt["pending_rerun_state"] = entry_state(out["rerun_state_machine"]).name
     rt.compare({"asked/w": saved}, {"asked/w": out["model"]["w"]}, prefix="model/")
@@ -150,7 +142,7 @@ def _through_dist_checkpointing(rt, ckpt_dir, rank):
     dist.barrier()
     w, model_sd = _model(rank, 1)
     with megatron_groups(), _machine() as machine:
-        dist_checkpointing.save({"model": model_sd, "rerun_state_machine": _idle_entry(machine)}, path)
+        dist_checkpointing.save({"model": model_sd, "rerun_state_machine": forced_entry(machine)}, path)
         rt.phase("load")
         first = _load_each(rt, path, machine, rank, w)
         _pending_rerun_load(rt, path, machine, rank, w)
